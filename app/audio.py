@@ -1,0 +1,73 @@
+"""Audio input: decode any common container/codec to 16 kHz mono float32.
+
+soundfile (libsndfile) reads WAV/FLAC/OGG-Vorbis/Opus/MP3 directly; PyAV (FFmpeg)
+takes everything else (m4a/AAC, webm, video containers). Resampling uses soxr.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+import soxr
+
+SAMPLE_RATE = 16000
+
+
+class AudioError(ValueError):
+    """The input is not decodable audio, or holds no samples."""
+
+
+def _to_mono_16k(samples: np.ndarray, rate: int) -> np.ndarray:
+    if samples.ndim == 2:
+        samples = samples.mean(axis=1)
+    samples = np.asarray(samples, dtype=np.float32)
+    if not np.all(np.isfinite(samples)):
+        raise AudioError("audio contains NaN or infinite samples")
+    if rate != SAMPLE_RATE:
+        samples = soxr.resample(samples, rate, SAMPLE_RATE, quality="HQ").astype(np.float32)
+    return samples
+
+
+def _decode_with_av(data: bytes) -> tuple[np.ndarray, int]:
+    import av
+
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            streams = container.streams.audio
+            if not streams:
+                raise AudioError("the file has no audio stream")
+            resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
+            chunks = []
+            for frame in container.decode(streams[0]):
+                for out in resampler.resample(frame):
+                    chunks.append(out.to_ndarray().reshape(-1))
+            for out in resampler.resample(None):
+                chunks.append(out.to_ndarray().reshape(-1))
+    except AudioError:
+        raise
+    except Exception as exc:  # PyAV raises many error types for bad input
+        raise AudioError(f"could not decode audio: {exc}") from exc
+    if not chunks:
+        return np.zeros(0, dtype=np.float32), SAMPLE_RATE
+    return np.concatenate(chunks).astype(np.float32), SAMPLE_RATE
+
+
+def decode_audio(data: bytes) -> np.ndarray:
+    """Encoded audio bytes -> float32 samples at 16 kHz, mono."""
+    if not data:
+        raise AudioError("the audio file is empty")
+    try:
+        samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=False)
+    except Exception:
+        samples, rate = _decode_with_av(data)
+    audio = _to_mono_16k(samples, rate)
+    if audio.size == 0:
+        raise AudioError("the audio holds no samples")
+    return audio
+
+
+def load_audio(path: str | Path) -> np.ndarray:
+    return decode_audio(Path(path).read_bytes())

@@ -1,0 +1,87 @@
+"""`python -m app ...`: transcribe files, manage the model store."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from app.settings import Settings
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    overrides = {
+        key: value
+        for key, value in {
+            "model": args.model,
+            "assistant": args.assistant,
+            "models_dir": args.models_dir,
+            "device": args.device,
+            "threads": args.threads,
+            "draft_tokens": getattr(args, "draft_tokens", None),
+        }.items()
+        if value is not None
+    }
+    return Settings(**overrides)
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="main model (store name, HF/CT2 directory or hub id)")
+    parser.add_argument("--assistant", help="'self-draft' (default), 'none', or a model reference")
+    parser.add_argument("--models-dir", type=Path, help="model store folder (default: ./models)")
+    parser.add_argument("--device", help="auto, cpu, cuda, cuda:N")
+    parser.add_argument("--threads", type=int, help="torch threads")
+
+
+def _transcribe(args: argparse.Namespace) -> int:
+    from app.cli.transcribe import run_transcribe
+
+    return run_transcribe(args, _settings(args))
+
+
+def _models(args: argparse.Namespace) -> int:
+    from app.cli.models import run_models
+
+    return run_models(args, _settings(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m app", description="SpecWhisper: speculative Whisper")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    tr = commands.add_parser("transcribe", help="transcribe audio files")
+    tr.add_argument("files", nargs="+", type=Path, metavar="FILE")
+    tr.add_argument("--language", help="language code (default: detect)")
+    tr.add_argument("--task", choices=["transcribe", "translate"], default="transcribe")
+    tr.add_argument("--no-assistant", action="store_true", help="main model only (plain greedy decoding)")
+    tr.add_argument("--format", choices=["text", "json"], default="text")
+    tr.add_argument("--draft-tokens", type=int, help="initial draft length")
+    _add_common(tr)
+    tr.set_defaults(handler=_transcribe)
+
+    models = commands.add_parser("models", help="show or convert models in the store")
+    models_cmd = models.add_subparsers(dest="models_command", required=True)
+    ls = models_cmd.add_parser("list", help="embedded and converted models")
+    _add_common(ls)
+    cv = models_cmd.add_parser("convert", help="convert embedded or CTranslate2 models into the store")
+    cv.add_argument(
+        "sources", nargs="*", help="embedded model names or CT2 directories (default: all embedded)"
+    )
+    cv.add_argument("--force", action="store_true", help="convert again even if present")
+    cv.add_argument("--name", help="store name for a converted directory")
+    _add_common(cv)
+    models.set_defaults(handler=_models)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return int(args.handler(args))

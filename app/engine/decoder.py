@@ -1,0 +1,237 @@
+"""A lean Whisper text decoder with a ragged, per-row key/value cache.
+
+The same module runs the main model (fp32/fp16/bf16) and the drafts (for example an
+int8 copy made by `quantize_dynamic`). Rows of a batch may sit at different
+positions and feed different numbers of tokens in one call; each row writes its
+keys and values at its own positions and attends only to positions at or before
+its own (`key_position <= query_position`). Entries past a row's valid length are
+stale but never read before being overwritten, so rejecting drafted tokens is just
+a matter of moving the row's length back.
+
+Shapes: B batch rows, S tokens fed per row in one call, H heads, Dh head size,
+D model width, T encoder frames, C cache capacity, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class KVCache:
+    """Self-attention keys/values per layer: [B, H, C, Dh]. Slot C-1 is a scratch slot for padding."""
+
+    keys: list[Tensor]
+    values: list[Tensor]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    @property
+    def scratch(self) -> int:
+        return self.capacity - 1
+
+    def select(self, rows: Tensor) -> KVCache:
+        """Keep only `rows` (a [B'] index tensor) of the batch."""
+        return KVCache(
+            [k.index_select(0, rows) for k in self.keys], [v.index_select(0, rows) for v in self.values]
+        )
+
+
+@dataclass
+class CrossKV:
+    """Cross-attention keys/values per layer, computed once per request: [B, H, T, Dh]."""
+
+    keys: list[Tensor]
+    values: list[Tensor]
+
+    def select(self, rows: Tensor) -> CrossKV:
+        return CrossKV(
+            [k.index_select(0, rows) for k in self.keys], [v.index_select(0, rows) for v in self.values]
+        )
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: causal self-attention, cross-attention, feed-forward (fused projections)."""
+
+    def __init__(self, d_model: int, n_heads: int, ffn_dim: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.self_norm = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.self_out = nn.Linear(d_model, d_model)
+        self.cross_norm = nn.LayerNorm(d_model)
+        self.cross_q = nn.Linear(d_model, d_model)
+        self.cross_kv = nn.Linear(d_model, 2 * d_model)
+        self.cross_out = nn.Linear(d_model, d_model)
+        self.ffn_norm = nn.LayerNorm(d_model)
+        self.fc1 = nn.Linear(d_model, ffn_dim)
+        self.fc2 = nn.Linear(ffn_dim, d_model)
+
+    def _heads(self, x: Tensor) -> Tensor:
+        """[B, S, D] -> [B, H, S, Dh]."""
+        b, s, d = x.shape
+        return x.view(b, s, self.n_heads, d // self.n_heads).transpose(1, 2)
+
+    def project_cross(self, encoder_out: Tensor) -> tuple[Tensor, Tensor]:
+        """[B, T, D] -> keys, values [B, H, T, Dh]."""
+        k, v = self.cross_kv(encoder_out).chunk(2, dim=-1)
+        return self._heads(k), self._heads(v)
+
+    def forward(
+        self,
+        x: Tensor,
+        mask: Tensor,
+        write_index: Tensor,
+        cache_k: Tensor,
+        cache_v: Tensor,
+        kv_len: int,
+        cross_k: Tensor,
+        cross_v: Tensor,
+    ) -> Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.self_norm(x)).chunk(3, dim=-1)
+        q, k, v = self._heads(q), self._heads(k), self._heads(v)
+        cache_k.scatter_(2, write_index, k)
+        cache_v.scatter_(2, write_index, v)
+        attn = F.scaled_dot_product_attention(
+            q, cache_k[:, :, :kv_len], cache_v[:, :, :kv_len], attn_mask=mask
+        )
+        x = x + self.self_out(attn.transpose(1, 2).reshape(b, s, d))
+        q = self._heads(self.cross_q(self.cross_norm(x)))
+        attn = F.scaled_dot_product_attention(q, cross_k, cross_v)
+        x = x + self.cross_out(attn.transpose(1, 2).reshape(b, s, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ffn_norm(x))))
+
+
+class TextDecoder(nn.Module):
+    """Whisper's text decoder: token + position embeddings, N layers, final norm, vocabulary projection."""
+
+    def __init__(
+        self, vocab: int, d_model: int, n_heads: int, ffn_dim: int, n_layers: int, n_positions: int
+    ) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.n_positions = n_positions
+        self.embed = nn.Embedding(vocab, d_model)
+        self.positions = nn.Parameter(torch.zeros(n_positions, d_model))
+        self.layers = nn.ModuleList(DecoderLayer(d_model, n_heads, ffn_dim) for _ in range(n_layers))
+        self.norm = nn.LayerNorm(d_model)
+        self.proj = nn.Linear(d_model, vocab, bias=False)
+        self.proj.weight = self.embed.weight
+
+    @property
+    def d_model(self) -> int:
+        return self.embed.embedding_dim
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embed.num_embeddings
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> TextDecoder:
+        """Build from a transformers `WhisperForConditionalGeneration` or `WhisperForCausalLM`."""
+        cfg = hf.config
+        src: Any = hf.model.decoder
+        dec = cls(
+            vocab=cfg.vocab_size,
+            d_model=cfg.d_model,
+            n_heads=cfg.decoder_attention_heads,
+            ffn_dim=cfg.decoder_ffn_dim,
+            n_layers=cfg.decoder_layers,
+            n_positions=cfg.max_target_positions,
+        )
+        dtype = src.embed_tokens.weight.dtype
+        dec.to(dtype)
+        with torch.no_grad():
+            dec.embed.weight.copy_(src.embed_tokens.weight)
+            dec.positions.copy_(src.embed_positions.weight)
+            dec.norm.load_state_dict(src.layer_norm.state_dict())
+            for mine, theirs in zip(cast(list[DecoderLayer], list(dec.layers)), src.layers, strict=True):
+                sa, ca = theirs.self_attn, theirs.encoder_attn
+                zeros = torch.zeros_like(sa.q_proj.bias)
+                mine.qkv.weight.copy_(torch.cat([sa.q_proj.weight, sa.k_proj.weight, sa.v_proj.weight]))
+                mine.qkv.bias.copy_(torch.cat([sa.q_proj.bias, zeros, sa.v_proj.bias]))
+                mine.self_out.load_state_dict(sa.out_proj.state_dict())
+                mine.self_norm.load_state_dict(theirs.self_attn_layer_norm.state_dict())
+                mine.cross_q.load_state_dict(ca.q_proj.state_dict())
+                mine.cross_kv.weight.copy_(torch.cat([ca.k_proj.weight, ca.v_proj.weight]))
+                mine.cross_kv.bias.copy_(torch.cat([zeros, ca.v_proj.bias]))
+                mine.cross_out.load_state_dict(ca.out_proj.state_dict())
+                mine.cross_norm.load_state_dict(theirs.encoder_attn_layer_norm.state_dict())
+                mine.fc1.load_state_dict(theirs.fc1.state_dict())
+                mine.fc2.load_state_dict(theirs.fc2.state_dict())
+                mine.ffn_norm.load_state_dict(theirs.final_layer_norm.state_dict())
+            proj = hf.get_output_embeddings().weight
+            if proj.data_ptr() != src.embed_tokens.weight.data_ptr():
+                dec.proj.weight = nn.Parameter(proj.detach().clone())
+        return dec.eval()
+
+    def quantized_copy(self) -> TextDecoder:
+        """An int8 (dynamic, per-channel weights) copy for drafting; shares the embeddings with `self`."""
+        from torch.ao.quantization import quantize_dynamic
+
+        draft = copy.copy(self)
+        draft._modules = dict(self._modules)
+        draft._parameters = dict(self._parameters)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            float_layers = copy.deepcopy(self.layers).float()
+            draft.layers = quantize_dynamic(float_layers, {nn.Linear}, dtype=torch.qint8)
+            proj = nn.Linear(self.d_model, self.vocab_size, bias=False)
+            proj.weight = nn.Parameter(self.proj.weight.detach().float().clone())
+            draft.proj = quantize_dynamic(nn.Sequential(proj), {nn.Linear}, dtype=torch.qint8)[0]
+        return draft.eval()
+
+    def cross_kv(self, encoder_out: Tensor) -> CrossKV:
+        keys, values = [], []
+        for layer in cast(list[DecoderLayer], list(self.layers)):
+            k, v = layer.project_cross(encoder_out)
+            keys.append(k)
+            values.append(v)
+        return CrossKV(keys, values)
+
+    def new_cache(
+        self, batch: int, dtype: torch.dtype, device: torch.device, capacity: int | None = None
+    ) -> KVCache:
+        capacity = (capacity or self.n_positions) + 1  # + the scratch slot
+        head_dim = self.d_model // self.n_heads
+        shape = (batch, self.n_heads, capacity, head_dim)
+        return KVCache(
+            [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers],
+            [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers],
+        )
+
+    def forward(
+        self, tokens: Tensor, positions: Tensor, real: Tensor, cache: KVCache, cross: CrossKV
+    ) -> Tensor:
+        """Feed tokens [B, S] at positions [B, S]; `real` [B, S] is False for padding.
+
+        Returns the final hidden states [B, S, D]; padding rows hold garbage.
+        Padding is written to the cache's scratch slot and attends like the row's last real token.
+        """
+        b, s = tokens.shape
+        x = self.embed(tokens) + self.positions[positions]
+        kv_len = int(positions.max()) + 1
+        key_pos = torch.arange(kv_len, device=tokens.device)
+        mask = (key_pos.view(1, 1, 1, -1) <= positions.view(b, 1, s, 1)).to(torch.bool)
+        write = torch.where(real, positions, torch.full_like(positions, cache.scratch))
+        head_dim = self.d_model // self.n_heads
+        write_index = write.view(b, 1, s, 1).expand(b, self.n_heads, s, head_dim)
+        for i, layer in enumerate(self.layers):
+            x = layer(
+                x, mask, write_index, cache.keys[i], cache.values[i], kv_len, cross.keys[i], cross.values[i]
+            )
+        return self.norm(x)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """[..., D] -> [..., V] in float32."""
+        return self.proj(hidden).float()

@@ -1,0 +1,166 @@
+"""Drafting: assistants that propose tokens for the main model to verify.
+
+The contract follows transformers' candidate generators, batched: a `Drafter` is
+resident for the life of the engine; `start()` opens a `DraftSession` for one batch,
+whose `get_candidates()` proposes up to a budget of tokens per row and whose
+`update_candidate_strategy()` learns how many were accepted. New assistant kinds
+plug in by implementing these two classes.
+
+The decoder-based drafter covers the three kinds of assistant:
+- self-draft: an int8 copy of the main decoder that reads the main model's cross-attention keys/values;
+- decoder-only (distil-whisper style): its own decoder over the main encoder's output;
+- encoder-decoder: its own encoder and decoder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+from torch import Tensor
+
+from app.engine.batch import DecoderState, Row, gather_positions, scored_logits
+from app.engine.decoder import CrossKV, TextDecoder
+from app.engine.model import WhisperModel
+
+CrossSource = Literal["main-cross", "main-encoder", "own-encoder"]
+
+
+@dataclass(frozen=True)
+class DraftInputs:
+    """What a batch offers a drafter.
+
+    features [B, n_mels, 3000], main encoder states [B, T, D], main cross-attention K/V.
+    """
+
+    features: Tensor
+    encoder_out: Tensor
+    main_cross: CrossKV
+
+
+class DraftSession(Protocol):
+    passes: int  # draft forward passes so far
+
+    def get_candidates(self, rows: Sequence[Row], budgets: Sequence[int]) -> list[list[int]]:
+        """Propose at most budgets[b] tokens to follow rows[b].tokens."""
+
+    def update_candidate_strategy(
+        self, rows: Sequence[Row], accepted: Sequence[int], proposed: Sequence[int]
+    ) -> None:
+        """Learn that rows[b] kept accepted[b] of proposed[b] drafts (rows already extended)."""
+
+    def keep(self, rows: list[int]) -> None:
+        """Drop the batch rows not listed (finished requests)."""
+
+
+class Drafter(Protocol):
+    name: str
+
+    def start(self, inputs: DraftInputs) -> DraftSession: ...
+
+
+@dataclass(frozen=True)
+class DraftLength:
+    """Adaptive draft length per row (transformers' heuristic): +2 after a fully accepted draft, -1 otherwise.
+
+    A fixed length is `DraftLength(initial=k, adaptive=False)`. Drafting of a row also stops at a
+    token the draft itself gives less than `confidence` probability.
+    """
+
+    initial: int = 5
+    maximum: int = 12
+    adaptive: bool = True
+    confidence: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.initial <= self.maximum:
+            raise ValueError(f"draft length must be within 1..{self.maximum}, got {self.initial}")
+        if not 0.0 <= self.confidence < 1.0:
+            raise ValueError("draft confidence threshold must be in [0, 1)")
+
+    def next(self, current: int, accepted: int, proposed: int) -> int:
+        if not self.adaptive or proposed == 0:
+            return current
+        if accepted == proposed:
+            return min(self.maximum, current + 2)
+        return max(1, current - 1)
+
+
+class DecoderDraftSession:
+    def __init__(self, state: DecoderState, length: DraftLength) -> None:
+        self.state = state
+        self.length = length
+        self.k = [length.initial] * len(state.fed)
+        self.passes = 0
+
+    def get_candidates(self, rows: Sequence[Row], budgets: Sequence[int]) -> list[list[int]]:
+        want = [min(k, budget) for k, budget in zip(self.k, budgets, strict=True)]
+        drafts: list[list[int]] = [[] for _ in rows]
+        if max(want) == 0:
+            return drafts
+        # Step 0 feeds whatever each row gained since the last draft (prompt, accepted drafts, correction).
+        feeds = [row.tokens[fed:] for row, fed in zip(rows, self.state.fed, strict=True)]
+        open_rows = [w > 0 for w in want]
+        while any(open_rows):
+            hidden, feed = self.state.feed(feeds)
+            self.passes += 1
+            last = gather_positions(hidden, [[max(n - 1, 0)] for n in feed.lengths])
+            logits = scored_logits(self.state.decoder, last, rows, drafts, [len(d) for d in drafts])[:, 0]
+            best = logits.argmax(-1)
+            if self.length.confidence > 0.0:
+                confident = (logits.softmax(-1).max(-1).values >= self.length.confidence).tolist()
+            else:
+                confident = [True] * len(rows)
+            feeds = []
+            for b, token in enumerate(best.tolist()):
+                if open_rows[b]:
+                    drafts[b].append(token)
+                    open_rows[b] = len(drafts[b]) < want[b] and confident[b] and token != rows[b].eot
+                feeds.append([token] if open_rows[b] else [])
+        # Every draft but the last of each row now sits in the draft cache.
+        return drafts
+
+    def update_candidate_strategy(
+        self, rows: Sequence[Row], accepted: Sequence[int], proposed: Sequence[int]
+    ) -> None:
+        # The cache holds the old tokens and the drafts; the accepted ones match the extended rows.
+        self.state.rewind([len(row.tokens) - 1 for row in rows])
+        self.k = [self.length.next(k, a, p) for k, a, p in zip(self.k, accepted, proposed, strict=True)]
+
+    def keep(self, rows: list[int]) -> None:
+        self.state.keep(rows)
+        self.k = [self.k[r] for r in rows]
+
+
+class DecoderDrafter:
+    """A drafter made of a Whisper text decoder; `cross` says where its cross-attention reads from."""
+
+    def __init__(
+        self,
+        name: str,
+        decoder: TextDecoder,
+        cross: CrossSource,
+        encoder_model: WhisperModel | None = None,
+        length: DraftLength | None = None,
+    ) -> None:
+        if cross == "own-encoder" and (encoder_model is None or encoder_model.encoder is None):
+            raise ValueError("an encoder-decoder assistant needs its encoder")
+        self.name = name
+        self.decoder = decoder
+        self.cross = cross
+        self.encoder_model = encoder_model
+        self.length = length or DraftLength()
+
+    @torch.inference_mode()
+    def start(self, inputs: DraftInputs) -> DecoderDraftSession:
+        if self.cross == "main-cross":
+            cross = inputs.main_cross
+        elif self.cross == "main-encoder":
+            cross = self.decoder.cross_kv(inputs.encoder_out.to(self.decoder.positions.dtype))
+        else:
+            assert self.encoder_model is not None
+            cross = self.decoder.cross_kv(self.encoder_model.encode(inputs.features))
+        state = DecoderState.start(self.decoder, cross, inputs.encoder_out.shape[0])
+        return DecoderDraftSession(state, self.length)

@@ -1,0 +1,34 @@
+"""Assemble an engine from settings: load the main model and its assistant."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from app.engine.assistant import NO_ASSISTANT, SELF_DRAFT, model_draft, self_draft
+from app.engine.draft import Drafter, DraftLength
+from app.engine.transcriber import Engine
+from app.settings import Settings
+from app.store.catalog import ModelStore
+from app.store.loader import load_model, resolve_device, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(settings: Settings, *, progress: bool = True) -> Engine:
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    store = ModelStore(settings.models_dir)
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, device)
+    main = load_model(settings.model, store, device=device, dtype=dtype, progress=progress)
+    length = DraftLength(initial=settings.draft_tokens, adaptive=settings.adaptive_draft)
+    drafter: Drafter | None = None
+    if settings.assistant == SELF_DRAFT:
+        drafter = self_draft(main, length)
+    elif settings.assistant != NO_ASSISTANT:
+        assistant = load_model(settings.assistant, store, device=device, dtype=dtype, progress=progress)
+        drafter = model_draft(main, assistant, length)
+    log.info("engine ready: main=%s assistant=%s", main.name, drafter.name if drafter else None)
+    return Engine(main, drafter)

