@@ -57,3 +57,30 @@ def test_models_list() -> None:
     out = _run("models", "list")
     assert out.returncode == 0
     assert "whisper-base" in out.stdout and "whisper-tiny.en" in out.stdout
+
+
+def test_subtitle_and_verbose_formats(benchdata: Path) -> None:
+    jfk = str(benchdata / "audio/whisper/jfk.wav")
+    srt = _run("transcribe", jfk, "--language", "en", "--format", "srt")
+    assert srt.returncode == 0, srt.stderr
+    assert srt.stdout.startswith("1\n00:00:00,000 --> 00:00:0")
+    vtt = _run("transcribe", jfk, "--language", "en", "--format", "vtt")
+    assert vtt.stdout.startswith("WEBVTT\n\n00:00:00.000 --> ")
+    verbose = _run("transcribe", jfk, "--format", "verbose_json", "--timestamps", "word")
+    body = json.loads(verbose.stdout)
+    assert body["task"] == "transcribe" and body["language"] == "en" and body["duration"] == 11.0
+    assert (
+        len(body["segments"]) >= 2 and {"start", "end", "text", "tokens", "avg_logprob"} <= body["segments"][0].keys()
+    )
+    assert body["words"][0]["word"] == "And" and body["words"][-1]["end"] > 9.0
+
+
+def test_batch_flag_gives_the_same_tokens(benchdata: Path) -> None:
+    files = [str(benchdata / f"audio/fleurs/fleurs-{lang}-002.wav") for lang in ("de", "es", "pt")]
+    one_by_one = _run("transcribe", *files, "--format", "json")
+    batched = _run("transcribe", *files, "--format", "json", "--batch")
+    assert batched.returncode == 0, batched.stderr
+    rows = [json.loads(line) for line in batched.stdout.splitlines()]
+    assert [r["tokens"] for r in rows] == [json.loads(line)["tokens"] for line in one_by_one.stdout.splitlines()]
+    assert [r["metrics"]["batch_size"] for r in rows] == [3, 3, 3]
+    assert [r["language"] for r in rows] == ["de", "es", "pt"]

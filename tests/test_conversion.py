@@ -61,20 +61,14 @@ def test_converted_tensors_equal_source(name: str, store: ModelStore, tmp_path: 
         np.testing.assert_array_equal(
             converted[f"{hf}.out_proj.bias"], ct2[f"decoder/layer_{i}/attention/linear_2/bias"]
         )
-    np.testing.assert_array_equal(
-        converted["model.decoder.embed_tokens.weight"], ct2["decoder/embeddings/weight"]
-    )
+    np.testing.assert_array_equal(converted["model.decoder.embed_tokens.weight"], ct2["decoder/embeddings/weight"])
     np.testing.assert_array_equal(
         converted["model.encoder.embed_positions.weight"], ct2["encoder/position_encodings/encodings"]
     )
     np.testing.assert_array_equal(converted["model.encoder.conv1.weight"], ct2["encoder/conv1/weight"])
-    np.testing.assert_array_equal(
-        converted["model.decoder.layer_norm.weight"], ct2["decoder/layer_norm/gamma"]
-    )
+    np.testing.assert_array_equal(converted["model.decoder.layer_norm.weight"], ct2["decoder/layer_norm/gamma"])
     # Every CT2 weight tensor is accounted for: same number of values in and out (minus the zero k biases).
-    ct2_values = sum(
-        a.size for n, a in ct2.variables.items() if a.ndim > 0 and n != "decoder/projection/weight"
-    )
+    ct2_values = sum(a.size for n, a in ct2.variables.items() if a.ndim > 0 and n != "decoder/projection/weight")
     zero_k_bias = (n_enc + n_dec) * d + n_dec * d
     assert sum(a.size for a in converted.values()) == ct2_values - zero_k_bias
 

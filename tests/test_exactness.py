@@ -81,14 +81,10 @@ def test_self_draft_is_exact(base: WhisperModel, greedy: dict[str, list[int]], c
 
 
 @pytest.fixture(scope="module")
-def weak_drafts(
-    base: WhisperModel, store: ModelStore, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Drafter]:
+def weak_drafts(base: WhisperModel, store: ModelStore, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Drafter]:
     tmp = tmp_path_factory.mktemp("drafts")
     src = Path(base.source)
-    decoder_only = load_model(
-        str(decoder_only_checkpoint(src, tmp / "decoder-only", 0.3)), store, progress=False
-    )
+    decoder_only = load_model(str(decoder_only_checkpoint(src, tmp / "decoder-only", 0.3)), store, progress=False)
     enc_dec = load_model(str(noisy_encoder_checkpoint(src, tmp / "enc-dec", 0.2)), store, progress=False)
     drafts = {
         "noisy-self-draft": noisy_self_draft(base, 0.3),
@@ -116,9 +112,7 @@ def test_weak_drafts_are_exact(
 def test_random_init_draft_is_exact(
     base: WhisperModel, store: ModelStore, greedy: dict[str, list[int]], clip: Callable, tmp_path: Path
 ) -> None:
-    random = load_model(
-        str(random_tiny_checkpoint(Path(base.source), tmp_path / "rand")), store, progress=False
-    )
+    random = load_model(str(random_tiny_checkpoint(Path(base.source), tmp_path / "rand")), store, progress=False)
     tokens, acceptance = _speculative(Engine(base, model_draft(base, random)), clip)
     assert acceptance < 0.1
     assert tokens == greedy

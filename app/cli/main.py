@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from app.formats import FORMATS
 from app.settings import Settings
 
 
@@ -47,6 +49,23 @@ def _models(args: argparse.Namespace) -> int:
     return run_models(args, _settings(args))
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from app.bench import plot, run_bench
+    from app.runtime import build_engine
+
+    engine = build_engine(_settings(args), progress=False)
+    languages = set(args.languages.split(",")) if args.languages else None
+    batches = [int(b) for b in args.batch.split(",")] if args.batch else []
+    report = run_bench(engine, args.manifest, languages=languages, limit=args.limit, batches=batches)
+    summary = {k: v for k, v in report.items() if k not in ("per_clip", "languages")}
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    if args.plot:
+        plot(report, args.plot)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m app", description="SpecWhisper: speculative Whisper")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
@@ -57,19 +76,32 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--language", help="language code (default: detect)")
     tr.add_argument("--task", choices=["transcribe", "translate"], default="transcribe")
     tr.add_argument("--no-assistant", action="store_true", help="main model only (plain greedy decoding)")
-    tr.add_argument("--format", choices=["text", "json"], default="text")
+    tr.add_argument("--format", choices=list(FORMATS), default="text")
+    tr.add_argument("--timestamps", choices=["segment", "word"], help="segment or word timestamps")
+    tr.add_argument("--prompt", help="text to condition the first window on (names, spelling, style)")
+    tr.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    tr.add_argument("--fallback", action="store_true", help="OpenAI's temperature fallback 0.0..1.0")
+    tr.add_argument("--batch", action="store_true", help="decode the files together, in batches of up to 4")
     tr.add_argument("--draft-tokens", type=int, help="initial draft length")
     _add_common(tr)
     tr.set_defaults(handler=_transcribe)
+
+    bench = commands.add_parser("bench", help="main-only vs speculative, side by side")
+    bench.add_argument("--manifest", type=Path, required=True, help="benchdata manifest.jsonl")
+    bench.add_argument("--languages", help="comma-separated language codes")
+    bench.add_argument("--limit", type=int, help="at most N clips")
+    bench.add_argument("--batch", help="batch sizes for throughput, e.g. 1,2,4")
+    bench.add_argument("--json", type=Path, help="write the full report here")
+    bench.add_argument("--plot", type=Path, help="write a PNG of per-clip speedup vs acceptance")
+    _add_common(bench)
+    bench.set_defaults(handler=_bench)
 
     models = commands.add_parser("models", help="show or convert models in the store")
     models_cmd = models.add_subparsers(dest="models_command", required=True)
     ls = models_cmd.add_parser("list", help="embedded and converted models")
     _add_common(ls)
     cv = models_cmd.add_parser("convert", help="convert embedded or CTranslate2 models into the store")
-    cv.add_argument(
-        "sources", nargs="*", help="embedded model names or CT2 directories (default: all embedded)"
-    )
+    cv.add_argument("sources", nargs="*", help="embedded model names or CT2 directories (default: all embedded)")
     cv.add_argument("--force", action="store_true", help="convert again even if present")
     cv.add_argument("--name", help="store name for a converted directory")
     _add_common(cv)

@@ -34,9 +34,7 @@ def self_draft(main: WhisperModel, length: DraftLength | None = None) -> Decoder
     )
 
 
-def model_draft(
-    main: WhisperModel, assistant: WhisperModel, length: DraftLength | None = None
-) -> DecoderDrafter:
+def model_draft(main: WhisperModel, assistant: WhisperModel, length: DraftLength | None = None) -> DecoderDrafter:
     """A separate checkpoint as assistant: decoder-only when it shares (or lacks) the main encoder."""
     check_same_vocabulary(main.tokenizer, main.name, assistant.tokenizer, assistant.name)
     if assistant.decoder.d_model != main.decoder.d_model and assistant.encoder is None:
@@ -44,12 +42,8 @@ def model_draft(
             f"decoder-only assistant {assistant.name!r} (width {assistant.decoder.d_model}) cannot read "
             f"the encoder of {main.name!r} (width {main.decoder.d_model})"
         )
-    shares = assistant.encoder is None or (
-        main.encoder is not None and same_encoder(assistant.encoder, main.encoder)
-    )
+    shares = assistant.encoder is None or (main.encoder is not None and same_encoder(assistant.encoder, main.encoder))
     if shares:
         assistant.encoder = None  # the main encoder's output serves both
         return DecoderDrafter(assistant.name, assistant.decoder, "main-encoder", length=length)
-    return DecoderDrafter(
-        assistant.name, assistant.decoder, "own-encoder", encoder_model=assistant, length=length
-    )
+    return DecoderDrafter(assistant.name, assistant.decoder, "own-encoder", encoder_model=assistant, length=length)

@@ -55,10 +55,13 @@ class DecoderState:
         ref = cross.keys[0]
         return cls(decoder, decoder.new_cache(batch, ref.dtype, ref.device), cross, [0] * batch)
 
-    def feed(self, rows: Sequence[Sequence[int]]) -> tuple[Tensor, RaggedFeed]:
-        """Append `rows` after what each row holds; returns hidden states [B, S, D] and the feed."""
+    def feed(self, rows: Sequence[Sequence[int]], capture: list[Tensor] | None = None) -> tuple[Tensor, RaggedFeed]:
+        """Append `rows` after what each row holds; returns hidden states [B, S, D] and the feed.
+
+        `capture` receives each layer's cross-attention weights [B, H, S, T] (for word alignment).
+        """
         feed = RaggedFeed.build(rows, self.fed, self.cross.keys[0].device)
-        hidden = self.decoder(feed.tokens, feed.positions, feed.real, self.cache, self.cross)
+        hidden = self.decoder(feed.tokens, feed.positions, feed.real, self.cache, self.cross, capture)
         self.fed = [f + n for f, n in zip(self.fed, feed.lengths, strict=True)]
         return hidden, feed
 
@@ -79,9 +82,7 @@ def gather_positions(hidden: Tensor, index: Sequence[Sequence[int]]) -> Tensor:
     Short rows are padded by repeating their first index.
     """
     width = max(len(i) for i in index)
-    idx = torch.tensor(
-        [list(i) + [i[0]] * (width - len(i)) for i in index], dtype=torch.long, device=hidden.device
-    )
+    idx = torch.tensor([list(i) + [i[0]] * (width - len(i)) for i in index], dtype=torch.long, device=hidden.device)
     return hidden.gather(1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
 
 
@@ -95,7 +96,11 @@ class Row:
     max_len: int
     eot: int
     draft: bool = True
+    temperature: float = 0.0
+    sot_index: int = 0
     finish: str | None = None
+    sum_logprob: float = 0.0
+    no_speech_prob: float | None = None
 
     @property
     def generated(self) -> list[int]:

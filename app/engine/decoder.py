@@ -41,9 +41,7 @@ class KVCache:
 
     def select(self, rows: Tensor) -> KVCache:
         """Keep only `rows` (a [B'] index tensor) of the batch."""
-        return KVCache(
-            [k.index_select(0, rows) for k in self.keys], [v.index_select(0, rows) for v in self.values]
-        )
+        return KVCache([k.index_select(0, rows) for k in self.keys], [v.index_select(0, rows) for v in self.values])
 
 
 @dataclass
@@ -54,9 +52,7 @@ class CrossKV:
     values: list[Tensor]
 
     def select(self, rows: Tensor) -> CrossKV:
-        return CrossKV(
-            [k.index_select(0, rows) for k in self.keys], [v.index_select(0, rows) for v in self.values]
-        )
+        return CrossKV([k.index_select(0, rows) for k in self.keys], [v.index_select(0, rows) for v in self.values])
 
 
 class DecoderLayer(nn.Module):
@@ -96,18 +92,23 @@ class DecoderLayer(nn.Module):
         kv_len: int,
         cross_k: Tensor,
         cross_v: Tensor,
+        capture: list[Tensor] | None = None,
     ) -> Tensor:
+        """`capture`, when given, receives this layer's cross-attention weights [B, H, S, T]."""
         b, s, d = x.shape
         q, k, v = self.qkv(self.self_norm(x)).chunk(3, dim=-1)
         q, k, v = self._heads(q), self._heads(k), self._heads(v)
         cache_k.scatter_(2, write_index, k)
         cache_v.scatter_(2, write_index, v)
-        attn = F.scaled_dot_product_attention(
-            q, cache_k[:, :, :kv_len], cache_v[:, :, :kv_len], attn_mask=mask
-        )
+        attn = F.scaled_dot_product_attention(q, cache_k[:, :, :kv_len], cache_v[:, :, :kv_len], attn_mask=mask)
         x = x + self.self_out(attn.transpose(1, 2).reshape(b, s, d))
         q = self._heads(self.cross_q(self.cross_norm(x)))
-        attn = F.scaled_dot_product_attention(q, cross_k, cross_v)
+        if capture is None:
+            attn = F.scaled_dot_product_attention(q, cross_k, cross_v)
+        else:
+            weights = (q @ cross_k.transpose(-1, -2) * q.shape[-1] ** -0.5).softmax(-1)
+            capture.append(weights)
+            attn = weights @ cross_v
         x = x + self.cross_out(attn.transpose(1, 2).reshape(b, s, d))
         return x + self.fc2(F.gelu(self.fc1(self.ffn_norm(x))))
 
@@ -115,9 +116,7 @@ class DecoderLayer(nn.Module):
 class TextDecoder(nn.Module):
     """Whisper's text decoder: token + position embeddings, N layers, final norm, vocabulary projection."""
 
-    def __init__(
-        self, vocab: int, d_model: int, n_heads: int, ffn_dim: int, n_layers: int, n_positions: int
-    ) -> None:
+    def __init__(self, vocab: int, d_model: int, n_heads: int, ffn_dim: int, n_layers: int, n_positions: int) -> None:
         super().__init__()
         self.n_heads = n_heads
         self.n_positions = n_positions
@@ -199,9 +198,7 @@ class TextDecoder(nn.Module):
             values.append(v)
         return CrossKV(keys, values)
 
-    def new_cache(
-        self, batch: int, dtype: torch.dtype, device: torch.device, capacity: int | None = None
-    ) -> KVCache:
+    def new_cache(self, batch: int, dtype: torch.dtype, device: torch.device, capacity: int | None = None) -> KVCache:
         capacity = (capacity or self.n_positions) + 1  # + the scratch slot
         head_dim = self.d_model // self.n_heads
         shape = (batch, self.n_heads, capacity, head_dim)
@@ -211,7 +208,13 @@ class TextDecoder(nn.Module):
         )
 
     def forward(
-        self, tokens: Tensor, positions: Tensor, real: Tensor, cache: KVCache, cross: CrossKV
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        real: Tensor,
+        cache: KVCache,
+        cross: CrossKV,
+        capture: list[Tensor] | None = None,
     ) -> Tensor:
         """Feed tokens [B, S] at positions [B, S]; `real` [B, S] is False for padding.
 
@@ -228,7 +231,15 @@ class TextDecoder(nn.Module):
         write_index = write.view(b, 1, s, 1).expand(b, self.n_heads, s, head_dim)
         for i, layer in enumerate(self.layers):
             x = layer(
-                x, mask, write_index, cache.keys[i], cache.values[i], kv_len, cross.keys[i], cross.values[i]
+                x,
+                mask,
+                write_index,
+                cache.keys[i],
+                cache.values[i],
+                kv_len,
+                cross.keys[i],
+                cross.values[i],
+                capture,
             )
         return self.norm(x)
 

@@ -24,6 +24,7 @@ from torch import Tensor
 from app.engine.batch import DecoderState, Row, gather_positions, scored_logits
 from app.engine.decoder import CrossKV, TextDecoder
 from app.engine.model import WhisperModel
+from app.engine.selection import sample
 
 CrossSource = Literal["main-cross", "main-encoder", "own-encoder"]
 
@@ -40,15 +41,26 @@ class DraftInputs:
     main_cross: CrossKV
 
 
+@dataclass(frozen=True)
+class Drafts:
+    """Proposed tokens per row, and for rows that sample (temperature > 0) the draft's
+    sampling distribution at each proposed position ([n_b, V]; None for greedy rows)."""
+
+    tokens: list[list[int]]
+    probs: list[Tensor | None]
+
+    @classmethod
+    def empty(cls, batch: int) -> Drafts:
+        return cls([[] for _ in range(batch)], [None] * batch)
+
+
 class DraftSession(Protocol):
     passes: int  # draft forward passes so far
 
-    def get_candidates(self, rows: Sequence[Row], budgets: Sequence[int]) -> list[list[int]]:
-        """Propose at most budgets[b] tokens to follow rows[b].tokens."""
+    def get_candidates(self, rows: Sequence[Row], budgets: Sequence[int], generator: torch.Generator) -> Drafts:
+        """Propose at most budgets[b] tokens to follow rows[b].tokens (sampled at the row's temperature)."""
 
-    def update_candidate_strategy(
-        self, rows: Sequence[Row], accepted: Sequence[int], proposed: Sequence[int]
-    ) -> None:
+    def update_candidate_strategy(self, rows: Sequence[Row], accepted: Sequence[int], proposed: Sequence[int]) -> None:
         """Learn that rows[b] kept accepted[b] of proposed[b] drafts (rows already extended)."""
 
     def keep(self, rows: list[int]) -> None:
@@ -95,11 +107,12 @@ class DecoderDraftSession:
         self.k = [length.initial] * len(state.fed)
         self.passes = 0
 
-    def get_candidates(self, rows: Sequence[Row], budgets: Sequence[int]) -> list[list[int]]:
+    def get_candidates(self, rows: Sequence[Row], budgets: Sequence[int], generator: torch.Generator) -> Drafts:
         want = [min(k, budget) for k, budget in zip(self.k, budgets, strict=True)]
         drafts: list[list[int]] = [[] for _ in rows]
+        probs: list[list[Tensor]] = [[] for _ in rows]
         if max(want) == 0:
-            return drafts
+            return Drafts.empty(len(rows))
         # Step 0 feeds whatever each row gained since the last draft (prompt, accepted drafts, correction).
         feeds = [row.tokens[fed:] for row, fed in zip(rows, self.state.fed, strict=True)]
         open_rows = [w > 0 for w in want]
@@ -108,23 +121,25 @@ class DecoderDraftSession:
             self.passes += 1
             last = gather_positions(hidden, [[max(n - 1, 0)] for n in feed.lengths])
             logits = scored_logits(self.state.decoder, last, rows, drafts, [len(d) for d in drafts])[:, 0]
-            best = logits.argmax(-1)
+            best = logits.argmax(-1).tolist()
             if self.length.confidence > 0.0:
                 confident = (logits.softmax(-1).max(-1).values >= self.length.confidence).tolist()
             else:
                 confident = [True] * len(rows)
             feeds = []
-            for b, token in enumerate(best.tolist()):
+            for b, row in enumerate(rows):
+                token = best[b]
+                if open_rows[b] and row.temperature > 0:
+                    token, dist = sample(logits[b], row.temperature, generator)
+                    probs[b].append(dist)
                 if open_rows[b]:
                     drafts[b].append(token)
                     open_rows[b] = len(drafts[b]) < want[b] and confident[b] and token != rows[b].eot
                 feeds.append([token] if open_rows[b] else [])
         # Every draft but the last of each row now sits in the draft cache.
-        return drafts
+        return Drafts(drafts, [torch.stack(p) if p else None for p in probs])
 
-    def update_candidate_strategy(
-        self, rows: Sequence[Row], accepted: Sequence[int], proposed: Sequence[int]
-    ) -> None:
+    def update_candidate_strategy(self, rows: Sequence[Row], accepted: Sequence[int], proposed: Sequence[int]) -> None:
         # The cache holds the old tokens and the drafts; the accepted ones match the extended rows.
         self.state.rewind([len(row.tokens) - 1 for row in rows])
         self.k = [self.length.next(k, a, p) for k, a, p in zip(self.k, accepted, proposed, strict=True)]

@@ -72,3 +72,45 @@ class LogitRules:
         for rule in self.rules:
             rule.apply(logits, ctx)
         return logits
+
+
+@dataclass(frozen=True)
+class TimestampRules:
+    """Whisper's timestamp-token rules (OpenAI `ApplyTimestampRules`), per logit row.
+
+    Timestamps come in pairs (except right before end-of-text), never decrease, a segment
+    has nonzero length, the first token is a timestamp no later than `max_initial_index`,
+    and a timestamp is forced when the timestamps together are likelier than any text token.
+    """
+
+    timestamp_begin: int
+    eot: int
+    no_timestamps: int
+    max_initial_index: int | None = 50
+
+    def apply(self, logits: Tensor, ctx: LogitContext) -> None:
+        tb = self.timestamp_begin
+        logits[:, self.no_timestamps] = -torch.inf
+        for n, seq in enumerate(ctx.histories):
+            if not seq:
+                logits[n, :tb] = -torch.inf
+                if self.max_initial_index is not None:
+                    logits[n, tb + self.max_initial_index + 1 :] = -torch.inf
+                continue
+            last_ts = seq[-1] >= tb
+            penultimate_ts = len(seq) < 2 or seq[-2] >= tb
+            if last_ts:
+                if penultimate_ts:
+                    logits[n, tb:] = -torch.inf  # a pair just closed: text (or end) must follow
+                else:
+                    logits[n, : self.eot] = -torch.inf  # an opened segment: timestamp or end-of-text
+            timestamps = [t for t in seq if t >= tb]
+            if timestamps:
+                floor = timestamps[-1] if last_ts and not penultimate_ts else timestamps[-1] + 1
+                logits[n, tb:floor] = -torch.inf
+        logprobs = torch.log_softmax(logits, dim=-1)
+        timestamp_mass = logprobs[:, tb:].logsumexp(dim=-1)
+        best_text = logprobs[:, :tb].max(dim=-1).values
+        force = (timestamp_mass > best_text).nonzero().flatten()
+        if force.numel():
+            logits[force, :tb] = -torch.inf

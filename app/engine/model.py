@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from app.engine.decoder import TextDecoder
-from app.engine.logits import LogitRules, SuppressAtBegin, SuppressTokens
+from app.engine.logits import LogitRule, LogitRules, SuppressAtBegin, SuppressTokens, TimestampRules
 from app.engine.tokenizer import WhisperTokenizer
 
 
@@ -60,6 +60,17 @@ class WhisperModel:
         if not timestamps:
             special += [tok.no_timestamps, *range(tok.timestamp_begin, self.decoder.vocab_size)]
         suppress = sorted(set(self.constants.suppress_tokens) | set(special))
-        return LogitRules(
-            (SuppressTokens(tuple(suppress)), SuppressAtBegin(tuple(self.constants.begin_suppress_tokens)))
-        )
+        rules: list[LogitRule] = [
+            SuppressTokens(tuple(suppress)),
+            SuppressAtBegin(tuple(self.constants.begin_suppress_tokens)),
+        ]
+        if timestamps:
+            rules.append(
+                TimestampRules(
+                    tok.timestamp_begin,
+                    tok.eot,
+                    tok.no_timestamps,
+                    self.constants.max_initial_timestamp_index,
+                )
+            )
+        return LogitRules(tuple(rules))

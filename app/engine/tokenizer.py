@@ -110,9 +110,7 @@ class WhisperTokenizer:
         return str(self.backend.decode([t for t in tokens if t < self.eot], skip_special_tokens=False))
 
 
-def check_same_vocabulary(
-    main: WhisperTokenizer, main_name: str, other: WhisperTokenizer, other_name: str
-) -> None:
+def check_same_vocabulary(main: WhisperTokenizer, main_name: str, other: WhisperTokenizer, other_name: str) -> None:
     """Raise a clear error when the assistant cannot draft for the main model."""
     if main.signature() != other.signature():
         raise VocabularyMismatchError(

@@ -1,22 +1,46 @@
-"""The engine: audio -> log-mel -> encoder -> (draft +) greedy decoding -> text with metrics."""
+"""The engine: audio -> log-mel -> 30-s windows -> encoder -> (draft +) decoding -> segments, words, metrics.
+
+Long audio follows OpenAI's sequential algorithm: decode a 30-s window with timestamp
+tokens, cut it into segments at timestamp pairs, seek to the end of the last complete
+segment, condition the next window on the text so far, and retry a window at higher
+temperatures when its text is too repetitive or too unlikely. A batch advances all its
+requests one window at a time, so every request of a batch shares each encoder and
+decoder pass.
+"""
 
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 import numpy as np
 import torch
 
 from app.audio import SAMPLE_RATE
+from app.engine.alignment import Word, align_words
 from app.engine.batch import Row
+from app.engine.decoder import CrossKV
 from app.engine.decoding import Decoded, decode, detect_language
 from app.engine.draft import Drafter, DraftInputs
+from app.engine.features import (
+    FRAMES_PER_SECOND,
+    INPUT_STRIDE,
+    N_FRAMES,
+    N_SAMPLES,
+    TIME_PRECISION,
+    log_mel,
+    window,
+)
 from app.engine.model import WhisperModel
 from app.engine.tokenizer import TASKS
 
-WINDOW_SECONDS = 30
+TimestampMode = Literal["none", "segment", "word"]
+TIMESTAMP_MODES: tuple[str, ...] = ("none", "segment", "word")
+FALLBACK_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+SAMPLE_LEN = 224  # tokens per window (OpenAI: n_text_ctx // 2)
 
 
 class InvalidRequestError(ValueError):
@@ -25,20 +49,41 @@ class InvalidRequestError(ValueError):
 
 @dataclass(frozen=True)
 class DecodingOptions:
-    """Per-request decoding options, validated when built."""
+    """Per-request decoding options, validated when built.
+
+    temperature: one value, or a ladder tried in order when a window fails the
+    compression-ratio / log-probability checks (OpenAI's fallback). 0 is greedy.
+    """
 
     language: str | None = None
     task: str = "transcribe"
     use_assistant: bool = True
+    timestamps: TimestampMode = "none"
+    prompt: str | None = None
+    temperature: float | tuple[float, ...] = 0.0
+    condition_on_previous_text: bool = True
+    compression_ratio_threshold: float | None = 2.4
+    logprob_threshold: float | None = -1.0
+    no_speech_threshold: float | None = 0.6
     max_new_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise InvalidRequestError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
-        if self.max_new_tokens is not None and self.max_new_tokens < 1:
-            raise InvalidRequestError("max_new_tokens must be at least 1")
+        if self.timestamps not in TIMESTAMP_MODES:
+            raise InvalidRequestError(f"timestamps must be one of {', '.join(TIMESTAMP_MODES)}")
+        if self.max_new_tokens is not None and not 1 <= self.max_new_tokens <= 448:
+            raise InvalidRequestError("max_new_tokens must be within 1..448")
+        temps = self.temperatures
+        if not temps or any(not 0.0 <= t <= 2.0 for t in temps):
+            raise InvalidRequestError("temperature must be within 0..2")
         if self.language is not None and not self.language.isascii():
             raise InvalidRequestError(f"unknown language {self.language!r}")
+
+    @property
+    def temperatures(self) -> tuple[float, ...]:
+        t = self.temperature
+        return (float(t),) if isinstance(t, (int, float)) else tuple(float(x) for x in t)
 
 
 @dataclass(frozen=True)
@@ -59,9 +104,27 @@ class Metrics:
     real_time_factor: float
     speculative: bool
     batch_size: int
+    windows: int
 
     def to_dict(self) -> dict[str, float | int | bool]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A span of text with its times (OpenAI `verbose_json` segment fields)."""
+
+    id: int
+    seek: int
+    start: float
+    end: float
+    text: str
+    tokens: list[int]
+    temperature: float
+    avg_logprob: float
+    compression_ratio: float
+    no_speech_prob: float
+    words: list[Word] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -70,25 +133,89 @@ class Transcription:
     tokens: list[int]
     language: str | None
     language_probability: float | None
+    duration: float
+    segments: list[Segment]
     finish: str
     metrics: Metrics
 
+    @property
+    def words(self) -> list[Word]:
+        return [w for s in self.segments for w in s.words]
+
+
+def compression_ratio(text: str) -> float:
+    data = text.encode("utf-8")
+    return len(data) / len(zlib.compress(data)) if data else 0.0
+
+
+@dataclass
+class _Counters:
+    drafted: int = 0
+    accepted: int = 0
+    main_passes: int = 0
+    draft_passes: int = 0
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+    windows: int = 0
+    tokens: int = 0
+
+    def add(self, decoded: Decoded) -> None:
+        s = decoded.stats
+        self.drafted += s.drafted
+        self.accepted += s.accepted
+        self.main_passes += s.main_passes
+        self.draft_passes += s.draft_passes
+
+
+class _Job:
+    """One request's progress through its windows."""
+
+    def __init__(self, model: WhisperModel, audio: np.ndarray, options: DecodingOptions) -> None:
+        self.options = options
+        self.duration = audio.size / SAMPLE_RATE
+        self.mel = log_mel(audio, model.n_mels, padding=N_SAMPLES)
+        self.content_frames = self.mel.shape[-1] - N_FRAMES
+        # Timestamp tokens drive the seek of long audio; short audio honours the request.
+        self.with_timestamps = options.timestamps != "none" or self.content_frames > N_FRAMES
+        self.seek = 0
+        self.language: str | None = options.language
+        self.language_probability: float | None = None
+        tok = model.tokenizer
+        self.all_tokens: list[int] = tok.encode(" " + options.prompt.strip()) if options.prompt else []
+        self.prompt_reset = 0
+        self.segments: list[Segment] = []
+        self.finish = "stop"
+        self.counters = _Counters()
+
+    @property
+    def done(self) -> bool:
+        return self.seek >= self.content_frames
+
+    @property
+    def segment_frames(self) -> int:
+        return min(N_FRAMES, self.content_frames - self.seek)
+
+    def features(self) -> torch.Tensor:
+        return window(self.mel, self.seek, self.segment_frames)
+
+    def context(self) -> list[int]:
+        return self.all_tokens[self.prompt_reset :] if self.options.condition_on_previous_text else []
+
 
 class Engine:
-    """A resident main model with an optional drafter; transcribes batches of up to 30-s clips."""
+    """A resident main model with an optional drafter; transcribes batches of clips of any length."""
 
-    def __init__(self, main: WhisperModel, drafter: Drafter | None = None) -> None:
-        from transformers import WhisperFeatureExtractor
-
+    def __init__(self, main: WhisperModel, drafter: Drafter | None = None, seed: int = 0) -> None:
         self.main = main
         self.drafter = drafter
-        self.features = WhisperFeatureExtractor(feature_size=main.n_mels)
+        self.generator = torch.Generator().manual_seed(seed)
+        self._rules = {ts: main.logit_rules(timestamps=ts) for ts in (False, True)}
 
     @property
     def speculative(self) -> bool:
         return self.drafter is not None
 
-    def _check(self, options: DecodingOptions) -> None:
+    def check(self, options: DecodingOptions) -> None:
         tok = self.main.tokenizer
         known = options.language is None or options.language in tok.language_ids
         if not known and (tok.multilingual or options.language != "en"):
@@ -96,101 +223,229 @@ class Engine:
         if options.task == "translate" and not tok.multilingual:
             raise InvalidRequestError(f"{self.main.name} is English-only and cannot translate")
 
-    def _log_mel(self, audio: Sequence[np.ndarray]) -> torch.Tensor:
-        batch = self.features(
-            [a.astype(np.float32) for a in audio], sampling_rate=SAMPLE_RATE, return_tensors="pt"
-        )
-        return batch.input_features
-
-    def _rows(self, options: Sequence[DecodingOptions], languages: Sequence[str | None]) -> list[Row]:
-        tok = self.main.tokenizer
-        rows = []
-        for opt, language in zip(options, languages, strict=True):
-            prompt = tok.prompt(language, opt.task)
-            max_len = self.main.max_positions
-            if opt.max_new_tokens is not None:
-                max_len = min(max_len, len(prompt) + opt.max_new_tokens)
-            rows.append(Row(prompt, len(prompt), self.main.logit_rules(), max_len, tok.eot))
-        return rows
-
-    def transcribe(
-        self, audio: Sequence[np.ndarray], options: Sequence[DecodingOptions]
-    ) -> list[Transcription]:
-        """Transcribe a batch of 16-kHz mono clips (each at most 30 s) as one batch."""
+    def transcribe(self, audio: Sequence[np.ndarray], options: Sequence[DecodingOptions]) -> list[Transcription]:
+        """Transcribe a batch of 16-kHz mono clips; every request of the batch shares each pass."""
         if not audio or len(audio) != len(options):
             raise InvalidRequestError("need one set of options per clip, and at least one clip")
         for clip, opt in zip(audio, options, strict=True):
             if clip.size == 0:
                 raise InvalidRequestError("empty audio")
-            if clip.size > WINDOW_SECONDS * SAMPLE_RATE:
-                raise InvalidRequestError(f"clips longer than {WINDOW_SECONDS} s need long-form decoding")
-            self._check(opt)
+            self.check(opt)
+        started = time.perf_counter()
         with torch.inference_mode():
-            return self._transcribe(audio, options)
+            jobs = [_Job(self.main, a, o) for a, o in zip(audio, options, strict=True)]
+            while True:
+                active = [job for job in jobs if not job.done]
+                if not active:
+                    break
+                self._window(active, batch=len(jobs))
+        total = time.perf_counter() - started
+        return [self._result(job, total, len(jobs)) for job in jobs]
 
-    def _transcribe(
-        self, audio: Sequence[np.ndarray], options: Sequence[DecodingOptions]
-    ) -> list[Transcription]:
+    # -- one window of every active job --------------------------------------------------------
+    def _window(self, jobs: list[_Job], batch: int) -> None:
         t0 = time.perf_counter()
-        features = self._log_mel(audio)
+        features = torch.stack([job.features() for job in jobs])
         encoder_out = self.main.encode(features)
         cross = self.main.decoder.cross_kv(encoder_out)
-        use_draft = self.drafter is not None and any(o.use_assistant for o in options)
-        session = None
-        if use_draft:
-            assert self.drafter is not None
-            session = self.drafter.start(DraftInputs(features, encoder_out, cross))
+        session_inputs = DraftInputs(features, encoder_out, cross)
         t1 = time.perf_counter()
-
         tok = self.main.tokenizer
-        languages: list[str | None] = [o.language for o in options]
-        probabilities: list[float | None] = [None] * len(options)
-        if tok.multilingual and any(lang is None for lang in languages):
-            for i, (code, p) in enumerate(detect_language(self.main, cross)):
-                if languages[i] is None:
-                    languages[i], probabilities[i] = code, p
-        rows = self._rows(options, languages)
-        if session is not None:
-            # Rows that opted out of the assistant get no draft budget.
-            for row, opt in zip(rows, options, strict=True):
-                row.draft = opt.use_assistant
-        decoded = decode(self.main, cross, rows, session)
+        undetected = [i for i, job in enumerate(jobs) if job.language is None]
+        if tok.multilingual and undetected:
+            detected = detect_language(self.main, cross.select(torch.tensor(undetected)))
+            for i, (code, p) in zip(undetected, detected, strict=True):
+                jobs[i].language, jobs[i].language_probability = code, p
+        results: list[tuple[Decoded, float] | None] = [None] * len(jobs)
+        pending = list(range(len(jobs)))
+        for attempt in range(max(len(job.options.temperatures) for job in jobs)):
+            pending = [i for i in pending if attempt < len(jobs[i].options.temperatures)]
+            if not pending:
+                break
+            temps = [jobs[i].options.temperatures[attempt] for i in pending]
+            index = torch.tensor(pending)
+            sub_cross = cross if len(pending) == len(jobs) else cross.select(index)
+            decoded = self._decode([jobs[i] for i in pending], temps, sub_cross, session_inputs, index)
+            retry = []
+            for i, d, t in zip(pending, decoded, temps, strict=True):
+                jobs[i].counters.add(d)
+                results[i] = (d, t)
+                if self._needs_fallback(jobs[i].options, d):
+                    retry.append(i)
+            pending = retry
         t2 = time.perf_counter()
-        return [
-            self._result(d, audio[i], languages[i], probabilities[i], options[i], (t0, t1, t2), len(audio))
-            for i, d in enumerate(decoded)
-        ]
+        for i, job in enumerate(jobs):
+            result = results[i]
+            assert result is not None
+            self._consume(job, result[0], result[1], cross.select(torch.tensor([i])))
+            job.counters.encode_s += t1 - t0
+            job.counters.decode_s += t2 - t1
+            job.counters.windows += 1
 
-    def _result(
-        self,
-        decoded: Decoded,
-        audio: np.ndarray,
-        language: str | None,
-        probability: float | None,
-        options: DecodingOptions,
-        times: tuple[float, float, float],
-        batch: int,
-    ) -> Transcription:
-        t0, t1, t2 = times
-        seconds = audio.size / SAMPLE_RATE
-        s = decoded.stats
-        total_ms = (t2 - t0) * 1000
-        speculative = self.drafter is not None and options.use_assistant
-        metrics = Metrics(
-            audio_seconds=round(seconds, 3),
-            encode_ms=round((t1 - t0) * 1000, 2),
-            decode_ms=round((t2 - t1) * 1000, 2),
-            total_ms=round(total_ms, 2),
-            tokens=len(decoded.tokens),
-            draft_proposed=s.drafted,
-            draft_accepted=s.accepted,
-            acceptance_rate=round(s.accepted / s.drafted, 4) if s.drafted else 0.0,
-            main_passes=s.main_passes,
-            draft_passes=s.draft_passes,
-            tokens_per_main_pass=round(len(decoded.tokens) / s.main_passes, 3) if s.main_passes else 0.0,
-            real_time_factor=round(total_ms / 1000 / seconds, 4) if seconds else 0.0,
-            speculative=speculative,
-            batch_size=batch,
+    def _decode(
+        self, jobs: list[_Job], temps: list[float], cross: CrossKV, inputs: DraftInputs, index: torch.Tensor
+    ) -> list[Decoded]:
+        rows = [self._row(job, t) for job, t in zip(jobs, temps, strict=True)]
+        session = None
+        if self.drafter is not None and any(row.draft for row in rows):
+            if len(jobs) != inputs.features.shape[0]:
+                inputs = DraftInputs(
+                    inputs.features.index_select(0, index), inputs.encoder_out.index_select(0, index), cross
+                )
+            session = self.drafter.start(inputs)
+        return decode(self.main, cross, rows, session, self.generator)
+
+    def _row(self, job: _Job, temperature: float) -> Row:
+        tok = self.main.tokenizer
+        prompt: list[int] = []
+        context = job.context()
+        if context:
+            prompt = [tok.sot_prev, *context[-(self.main.max_positions // 2 - 1) :]]
+        sot_index = len(prompt)
+        prompt += tok.prompt(job.language, job.options.task, timestamps=job.with_timestamps)
+        new_tokens = job.options.max_new_tokens or SAMPLE_LEN
+        return Row(
+            tokens=prompt,
+            prompt_len=len(prompt),
+            rules=self._rules[job.with_timestamps],
+            max_len=min(self.main.max_positions, len(prompt) + new_tokens),
+            eot=tok.eot,
+            draft=self.drafter is not None and job.options.use_assistant,
+            temperature=temperature,
+            sot_index=sot_index,
         )
-        text = self.main.tokenizer.decode(decoded.tokens).strip()
-        return Transcription(text, decoded.tokens, language, probability, decoded.finish, metrics)
+
+    def _needs_fallback(self, options: DecodingOptions, d: Decoded) -> bool:
+        ratio = compression_ratio(self.main.tokenizer.decode(d.tokens))
+        fallback = options.compression_ratio_threshold is not None and ratio > options.compression_ratio_threshold
+        low_logprob = options.logprob_threshold is not None and d.avg_logprob < options.logprob_threshold
+        silent = (
+            options.no_speech_threshold is not None
+            and d.no_speech_prob is not None
+            and d.no_speech_prob > options.no_speech_threshold
+        )
+        return (fallback or low_logprob) and not (silent and low_logprob)
+
+    # -- turning a decoded window into segments -------------------------------------------------
+    def _consume(self, job: _Job, d: Decoded, temperature: float, cross: CrossKV) -> None:
+        tok = self.main.tokenizer
+        opts = job.options
+        size = job.segment_frames
+        offset = job.seek / FRAMES_PER_SECOND
+        if d.finish == "length":
+            job.finish = "length"
+        silent = (
+            opts.no_speech_threshold is not None
+            and d.no_speech_prob is not None
+            and d.no_speech_prob > opts.no_speech_threshold
+            and not (opts.logprob_threshold is not None and d.avg_logprob > opts.logprob_threshold)
+        )
+        if silent and job.with_timestamps:
+            job.seek += size
+            return
+        tokens = d.tokens
+        tb = tok.timestamp_begin
+        is_ts = [t >= tb for t in tokens]
+        spans: list[tuple[float, float, list[int]]] = []
+        single_ending = is_ts[-2:] == [False, True]
+        cuts = [i + 1 for i in range(len(tokens) - 1) if is_ts[i] and is_ts[i + 1]]
+        if cuts:
+            slices = cuts + ([len(tokens)] if single_ending else [])
+            last = 0
+            for cut in slices:
+                part = tokens[last:cut]
+                spans.append(
+                    (
+                        offset + (part[0] - tb) * TIME_PRECISION,
+                        offset + (part[-1] - tb) * TIME_PRECISION,
+                        part,
+                    )
+                )
+                last = cut
+            if single_ending:
+                job.seek += size
+            else:
+                job.seek += (tokens[last - 1] - tb) * INPUT_STRIDE
+        else:
+            duration = size / FRAMES_PER_SECOND
+            stamps = [t for t in tokens if t >= tb]
+            if stamps and stamps[-1] != tb:
+                duration = (stamps[-1] - tb) * TIME_PRECISION
+            spans.append((offset, offset + duration, tokens))
+            job.seek += size
+        job.counters.tokens += len(tokens)
+        before = len(job.segments)
+        for start, end, part in spans:
+            text_tokens = [t for t in part if t < tok.eot]
+            text = tok.decode(text_tokens)
+            if not text.strip():
+                continue
+            job.segments.append(
+                Segment(
+                    id=len(job.segments),
+                    seek=int(offset * FRAMES_PER_SECOND),
+                    start=round(start, 3),
+                    end=round(end, 3),
+                    text=text,
+                    tokens=part,
+                    temperature=temperature,
+                    avg_logprob=d.avg_logprob,
+                    compression_ratio=compression_ratio(tok.decode(d.tokens)),
+                    no_speech_prob=d.no_speech_prob or 0.0,
+                )
+            )
+        if opts.timestamps == "word":
+            self._add_words(job, cross, size, offset, first_new=before)
+        job.all_tokens.extend(t for _, _, part in spans for t in part)
+        if not opts.condition_on_previous_text or temperature > 0.5:
+            job.prompt_reset = len(job.all_tokens)
+
+    def _add_words(self, job: _Job, cross: CrossKV, frames: int, offset: float, first_new: int) -> None:
+        tok = self.main.tokenizer
+        segments = job.segments[first_new:]
+        text_tokens = [t for s in segments for t in s.tokens if t < tok.eot]
+        sot_sequence = tok.prompt(job.language, job.options.task, timestamps=True)
+        words = align_words(self.main, cross, sot_sequence, text_tokens, frames, job.language)
+        cursor = 0
+        for k, seg in enumerate(segments):
+            n = len([t for t in seg.tokens if t < tok.eot])
+            mine, used = [], 0
+            while cursor < len(words) and used < n:
+                w = words[cursor]
+                mine.append(Word(w.word, round(w.start + offset, 3), round(w.end + offset, 3), w.probability, w.tokens))
+                used += len(w.tokens)
+                cursor += 1
+            job.segments[first_new + k] = Segment(**{**seg.__dict__, "words": mine})
+
+    def _result(self, job: _Job, total_s: float, batch: int) -> Transcription:
+        c = job.counters
+        n_tokens = c.tokens
+        total_ms = total_s * 1000
+        metrics = Metrics(
+            audio_seconds=round(job.duration, 3),
+            encode_ms=round(c.encode_s * 1000, 2),
+            decode_ms=round(c.decode_s * 1000, 2),
+            total_ms=round(total_ms, 2),
+            tokens=n_tokens,
+            draft_proposed=c.drafted,
+            draft_accepted=c.accepted,
+            acceptance_rate=round(c.accepted / c.drafted, 4) if c.drafted else 0.0,
+            main_passes=c.main_passes,
+            draft_passes=c.draft_passes,
+            tokens_per_main_pass=round(n_tokens / c.main_passes, 3) if c.main_passes else 0.0,
+            real_time_factor=round(total_s / job.duration, 4) if job.duration else 0.0,
+            speculative=self.drafter is not None and job.options.use_assistant,
+            batch_size=batch,
+            windows=c.windows,
+        )
+        text = "".join(s.text for s in job.segments).strip()
+        return Transcription(
+            text=text,
+            tokens=[t for s in job.segments for t in s.tokens],
+            language=job.language,
+            language_probability=job.language_probability,
+            duration=round(job.duration, 3),
+            segments=job.segments,
+            finish=job.finish,
+            metrics=metrics,
+        )

@@ -130,9 +130,7 @@ class ModelStore:
                 convert_ct2(parts, destination, bundle_dir=bundle, progress=progress)
         return destination
 
-    def convert_dir(
-        self, source: Path, *, name: str | None = None, force: bool = False, progress: bool = True
-    ) -> Path:
+    def convert_dir(self, source: Path, *, name: str | None = None, force: bool = False, progress: bool = True) -> Path:
         destination = self.path(name or source.resolve().name)
         with self._lock():
             if force or not is_hf_dir(destination):

@@ -114,10 +114,7 @@ def convert_ct2(
             "scale_embedding": False,
             "tie_word_embeddings": "proj_out.weight" not in state,
             "torch_dtype": str(next(iter(state.values())).dtype).removeprefix("torch."),
-            **{
-                k: generation[k]
-                for k in ("decoder_start_token_id", "bos_token_id", "eos_token_id", "pad_token_id")
-            },
+            **{k: generation[k] for k in ("decoder_start_token_id", "bos_token_id", "eos_token_id", "pad_token_id")},
             "suppress_tokens": generation["suppress_tokens"],
             "begin_suppress_tokens": generation["begin_suppress_tokens"],
         }

@@ -149,9 +149,7 @@ def hf_state_dict(model: CT2Model) -> dict[str, np.ndarray]:
     sd[f"{enc}.embed_positions.weight"] = model["encoder/position_encodings/encodings"]
     for i in range(model.layer_count("encoder")):
         src, dst = f"encoder/layer_{i}", f"{enc}.layers.{i}"
-        _split_fused(
-            sd, f"{dst}.self_attn", model, f"{src}/self_attention/linear_0", ["q_proj", "k_proj", "v_proj"]
-        )
+        _split_fused(sd, f"{dst}.self_attn", model, f"{src}/self_attention/linear_0", ["q_proj", "k_proj", "v_proj"])
         _linear(sd, f"{dst}.self_attn.out_proj", model, f"{src}/self_attention/linear_1")
         _norm(sd, f"{dst}.self_attn_layer_norm", model, f"{src}/self_attention/layer_norm")
         _linear(sd, f"{dst}.fc1", model, f"{src}/ffn/linear_0")
@@ -163,9 +161,7 @@ def hf_state_dict(model: CT2Model) -> dict[str, np.ndarray]:
     sd[f"{dec}.embed_positions.weight"] = model["decoder/position_encodings/encodings"]
     for i in range(model.layer_count("decoder")):
         src, dst = f"decoder/layer_{i}", f"{dec}.layers.{i}"
-        _split_fused(
-            sd, f"{dst}.self_attn", model, f"{src}/self_attention/linear_0", ["q_proj", "k_proj", "v_proj"]
-        )
+        _split_fused(sd, f"{dst}.self_attn", model, f"{src}/self_attention/linear_0", ["q_proj", "k_proj", "v_proj"])
         _linear(sd, f"{dst}.self_attn.out_proj", model, f"{src}/self_attention/linear_1")
         _norm(sd, f"{dst}.self_attn_layer_norm", model, f"{src}/self_attention/layer_norm")
         _linear(sd, f"{dst}.encoder_attn.q_proj", model, f"{src}/attention/linear_0")

@@ -1,0 +1,54 @@
+"""The benchmark command runs both modes side by side and reports the agreed keys."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_bench_reports_identical_tokens_and_ratios(benchdata: Path, tmp_path: Path) -> None:
+    out_json = tmp_path / "bench.json"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "app",
+            "bench",
+            "--manifest",
+            str(benchdata / "manifest.jsonl"),
+            "--languages",
+            "en,es",
+            "--limit",
+            "3",
+            "--batch",
+            "2",
+            "--json",
+            str(out_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out_json.read_text())
+    for key in (
+        "clips",
+        "identical_fraction",
+        "decode_speedup",
+        "e2e_speedup",
+        "acceptance_rate",
+        "wer_main",
+        "wer_spec",
+        "languages",
+        "batches",
+        "per_clip",
+        "peak_rss_mb",
+    ):
+        assert key in report
+    assert report["clips"] == 3 and report["identical_fraction"] == 1.0
+    assert report["wer_main"] == report["wer_spec"] < 0.5  # same tokens, same text, real transcripts
+    assert 0.0 < report["acceptance_rate"] <= 1.0 and report["decode_speedup"] > 0
+    assert report["batches"]["2"]["identical"] is True
+    assert set(report["languages"]) <= {"en", "es"}

@@ -1,0 +1,116 @@
+"""Engine II: batched speculative decoding, timestamps, long-form, prompts, translation - all exact."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from app.engine.assistant import self_draft
+from app.engine.draft import Drafter
+from app.engine.model import WhisperModel
+from app.engine.transcriber import DecodingOptions, Engine, Transcription
+from tests.drafts import noisy_self_draft
+
+# (clip, options) requests of different lengths, languages, tasks, prompts and timestamp modes.
+REQUESTS = [
+    ("whisper/jfk", DecodingOptions(language="en", timestamps="segment")),
+    ("fleurs/fleurs-de-001", DecodingOptions(language="de")),
+    ("pocketsphinx/goforward", DecodingOptions(language="en", prompt="Robot commands: go forward, turn left.")),
+    ("fleurs/fleurs-fr-002", DecodingOptions(language="fr", task="translate")),
+]
+
+
+def _plain(opts: DecodingOptions) -> DecodingOptions:
+    return DecodingOptions(**{**opts.__dict__, "use_assistant": False})
+
+
+@pytest.fixture(scope="module")
+def singles(base: WhisperModel, clip: Callable[[str], np.ndarray]) -> list[Transcription]:
+    engine = Engine(base)
+    return [engine.transcribe([clip(c)], [_plain(o)])[0] for c, o in REQUESTS]
+
+
+@pytest.fixture(scope="module")
+def drafters(base: WhisperModel) -> dict[str, Drafter]:
+    return {"self-draft": self_draft(base), "weak": noisy_self_draft(base, 0.3)}
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+@pytest.mark.parametrize("draft", ["self-draft", "weak"])
+def test_batches_equal_single_greedy(
+    size: int, draft: str, drafters: dict, base: WhisperModel, singles: list[Transcription], clip: Callable
+) -> None:
+    engine = Engine(base, drafters[draft])
+    picked = list(range(size)) if size < 4 else [3, 0, 2, 1]
+    results = engine.transcribe([clip(REQUESTS[i][0]) for i in picked], [REQUESTS[i][1] for i in picked])
+    for i, result in zip(picked, results, strict=True):
+        assert result.tokens == singles[i].tokens, REQUESTS[i][0]
+        assert result.metrics.batch_size == size and result.metrics.speculative
+    if draft == "weak":
+        acceptance = sum(r.metrics.draft_accepted for r in results) / sum(r.metrics.draft_proposed for r in results)
+        assert 0.1 <= acceptance <= 0.9
+
+
+def test_rows_keep_their_own_acceptance(base: WhisperModel, clip: Callable, drafters: dict) -> None:
+    """A row that accepts everything is not held back by a row that rejects (per-row advance)."""
+    engine = Engine(base, drafters["self-draft"])
+    alone = engine.transcribe([clip("ljspeech/LJ001-0001")], [DecodingOptions(language="en")])[0]
+    mixed = engine.transcribe(
+        [clip("ljspeech/LJ001-0001"), clip("fleurs/fleurs-de-001")],
+        [DecodingOptions(language="en"), DecodingOptions(language="de")],
+    )[0]
+    assert mixed.tokens == alone.tokens
+    assert mixed.metrics.main_passes == alone.metrics.main_passes
+
+
+def test_timestamps(singles: list[Transcription]) -> None:
+    jfk = singles[0]
+    assert len(jfk.segments) >= 2
+    prev_end = 0.0
+    for seg in jfk.segments:
+        assert prev_end <= seg.start < seg.end <= jfk.duration + 0.5
+        prev_end = seg.end
+    assert "ask not what your country" in jfk.text.lower()
+    # Translation of French speech comes out in English.
+    translated = singles[3].text.lower()
+    assert sum(w in translated.split() for w in ("the", "a", "of", "and", "is", "to", "in")) >= 2
+
+
+def test_word_timestamps(base: WhisperModel, clip: Callable, drafters: dict) -> None:
+    engine = Engine(base, drafters["self-draft"])
+    result = engine.transcribe([clip("whisper/jfk")], [DecodingOptions(language="en", timestamps="word")])[0]
+    words = result.words
+    assert [w.word.strip(" ,.").lower() for w in words][:5] == ["and", "so", "my", "fellow", "americans"]
+    assert "".join(w.word for w in words).strip() == result.text
+    starts = [w.start for w in words]
+    assert starts == sorted(starts) and all(w.start <= w.end <= result.duration for w in words)
+    americans = next(w for w in words if "Americans" in w.word)
+    assert 1.0 <= americans.start <= 2.5  # "Americans" is spoken at about 1.5-2.1 s
+    assert words[-1].end > 9.0
+
+
+@pytest.mark.slow
+def test_long_form_is_exact(base: WhisperModel, clip: Callable, manifest: dict, drafters: dict) -> None:
+    """229 s of read speech: OpenAI's sequential algorithm, speculative == main-only, batched with a short clip."""
+    long_id = "ljspeech_longform/LJ001-0001_to_LJ001-0032"
+    audio = [clip(long_id), clip("fleurs/fleurs-de-009")]
+    opts = [DecodingOptions(language="en"), DecodingOptions(language="de")]
+    plain = Engine(base).transcribe(audio, opts)
+    spec = Engine(base, drafters["self-draft"]).transcribe(audio, opts)
+    for p, s in zip(plain, spec, strict=True):
+        assert s.tokens == p.tokens and s.text == p.text
+        assert s.metrics.windows >= 2 and s.metrics.draft_proposed > 0
+        ends = [seg.end for seg in s.segments]
+        assert ends == sorted(ends) and ends[-1] <= s.duration + 1.0
+    long_text = _words(spec[0].text)
+    reference = _words(manifest[long_id]["text"])
+    assert " ".join(reference[:8]) in " ".join(long_text)
+    assert " ".join(reference[-6:]) in " ".join(long_text)  # the last window was reached
+    assert len(long_text) > 0.8 * len(reference)
+
+
+def _words(text: str) -> list[str]:
+    return re.sub(r"[^\w\s]", "", text.lower()).split()
