@@ -31,7 +31,16 @@ def _to_mono_16k(samples: np.ndarray, rate: int) -> np.ndarray:
     return samples
 
 
-def _decode_with_av(data: bytes) -> tuple[np.ndarray, int]:
+class AudioTooLongError(AudioError):
+    """The audio lasts longer than the allowed maximum."""
+
+
+def _too_long(seconds: float, limit: float | None) -> None:
+    if limit is not None and seconds > limit:
+        raise AudioTooLongError(f"audio lasts {seconds:.0f} s, more than the allowed {limit:g} s")
+
+
+def _decode_with_av(data: bytes, max_seconds: float | None) -> tuple[np.ndarray, int]:
     import av
 
     try:
@@ -41,13 +50,19 @@ def _decode_with_av(data: bytes) -> tuple[np.ndarray, int]:
                 raise AudioError("the file has no audio stream")
             resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
             chunks = []
+            samples = 0
             for frame in container.decode(streams[0]):
                 for out in resampler.resample(frame):
-                    chunks.append(out.to_ndarray().reshape(-1))
+                    chunk = out.to_ndarray().reshape(-1)
+                    chunks.append(chunk)
+                    samples += chunk.size
+                _too_long(samples / SAMPLE_RATE, max_seconds)
             for out in resampler.resample(None):
                 chunks.append(out.to_ndarray().reshape(-1))
     except AudioError:
         raise
+    except MemoryError as exc:
+        raise AudioError("the audio is too large to decode") from exc
     except Exception as exc:  # PyAV raises many error types for bad input
         raise AudioError(f"could not decode audio: {exc}") from exc
     if not chunks:
@@ -55,14 +70,26 @@ def _decode_with_av(data: bytes) -> tuple[np.ndarray, int]:
     return np.concatenate(chunks).astype(np.float32), SAMPLE_RATE
 
 
-def decode_audio(data: bytes) -> np.ndarray:
-    """Encoded audio bytes -> float32 samples at 16 kHz, mono."""
+def decode_audio(data: bytes, max_seconds: float | None = None) -> np.ndarray:
+    """Encoded audio bytes -> float32 samples at 16 kHz, mono.
+
+    With `max_seconds`, longer audio is refused from its header (or while decoding,
+    for formats without a reliable length) before it is held in memory.
+    """
     if not data:
         raise AudioError("the audio file is empty")
     try:
-        samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=False)
+        info = sf.info(io.BytesIO(data))
     except Exception:
-        samples, rate = _decode_with_av(data)
+        samples, rate = _decode_with_av(data, max_seconds)
+    else:
+        if info.samplerate <= 0 or info.channels <= 0:
+            raise AudioError("the audio header is invalid")
+        _too_long(info.frames / info.samplerate, max_seconds)
+        try:
+            samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=False)
+        except Exception as exc:
+            raise AudioError(f"could not decode audio: {exc}") from exc
     audio = _to_mono_16k(samples, rate)
     if audio.size == 0:
         raise AudioError("the audio holds no samples")

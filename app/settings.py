@@ -27,3 +27,19 @@ class Settings(BaseSettings):
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice)")
     draft_tokens: int = Field(5, ge=1, le=12, description="initial draft length per row")
     adaptive_draft: bool = Field(True, description="adapt the draft length to acceptance")
+    log_level: str = Field("info", description="logging level of the server and worker")
+
+    # server
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    served_model_name: str | None = Field(None, description="model id in the API (default: the model's name)")
+    model_aliases: list[str] = Field(default_factory=lambda: ["whisper-1"], description="other accepted model ids")
+    max_batch: int = Field(4, ge=1, le=4, description="most requests decoded together")
+    batch_window_ms: float = Field(10.0, ge=0, le=1000, description="how long a batch waits to fill")
+    queue_size: int = Field(64, ge=1, description="requests waiting beyond this get 429")
+    max_upload_bytes: int = Field(25 * 1024 * 1024, ge=1, description="largest accepted upload")
+    max_audio_seconds: float = Field(3600.0, gt=0, description="longest accepted audio")
+    request_timeout_s: float = Field(600.0, gt=0, description="a request waiting longer gets 504")
+    shutdown_timeout_s: float = Field(30.0, ge=0, description="time to finish in-flight work on shutdown")
+    worker_start_timeout_s: float = Field(300.0, gt=0, description="model loading time allowed")
+    api_keys: list[str] = Field(default_factory=list, description="accepted Bearer keys; empty = no auth")

@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
-# Set up, then run the main job on the embedded default models (Whisper base + int8 self-draft).
+# Set up, then run the main job: the server on the embedded default models
+# (Whisper base + its int8 self-draft) at http://127.0.0.1:8000 (extra arguments go to `serve`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
-if [ "$#" -eq 0 ]; then
-    set -- ../shared/benchdata/audio/whisper/jfk.wav
-fi
-exec python -m app transcribe "$@" --format json
+exec python -m app serve "$@"

@@ -43,6 +43,23 @@ def _transcribe(args: argparse.Namespace) -> int:
     return run_transcribe(args, _settings(args))
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.server.app import create_app
+
+    overrides = {k: v for k, v in {"host": args.host, "port": args.port}.items() if v is not None}
+    settings = _settings(args).model_copy(update=overrides)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=int(settings.shutdown_timeout_s) + 5,
+    )
+    return 0
+
+
 def _models(args: argparse.Namespace) -> int:
     from app.cli.models import run_models
 
@@ -85,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--draft-tokens", type=int, help="initial draft length")
     _add_common(tr)
     tr.set_defaults(handler=_transcribe)
+
+    serve = commands.add_parser("serve", help="run the HTTP server (OpenAI-compatible API)")
+    serve.add_argument("--host", help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default 8000)")
+    _add_common(serve)
+    serve.set_defaults(handler=_serve)
 
     bench = commands.add_parser("bench", help="main-only vs speculative, side by side")
     bench.add_argument("--manifest", type=Path, required=True, help="benchdata manifest.jsonl")

@@ -1,0 +1,107 @@
+"""The FastAPI app factory: the lifespan owns the worker, the batcher and the metrics."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from app.server import errors
+from app.server.batcher import Batcher
+from app.server.metrics import ServerMetrics
+from app.server.protocol import Ready
+from app.server.routes import router
+from app.server.service import TranscriptionService
+from app.server.supervisor import WorkerSupervisor
+from app.settings import Settings
+
+log = logging.getLogger("specwhisper.server")
+PUBLIC_PATHS = ("/health/", "/metrics")
+MULTIPART_OVERHEAD = 64 * 1024
+
+
+def _error_response(err: errors.ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=dict(err.headers))
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    metrics = ServerMetrics()
+
+    def on_ready(ready: Ready) -> None:
+        metrics.worker_up.set(1)
+        metrics.model_load_seconds.set(ready.load_seconds)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        worker = WorkerSupervisor(settings, on_ready=on_ready)
+        batcher = Batcher(worker, metrics, settings.max_batch, settings.batch_window_ms / 1000, settings.queue_size)
+        app.state.worker = worker
+        app.state.batcher = batcher
+        app.state.service = TranscriptionService(settings, batcher, metrics)
+        worker.start()
+        batcher.start()
+        try:
+            yield
+        finally:
+            log.info("shutting down: draining in-flight work (up to %.0f s)", settings.shutdown_timeout_s)
+            await batcher.drain(settings.shutdown_timeout_s)
+            await worker.stop()
+
+    app = FastAPI(title="SpecWhisper", version="0.1.0", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.include_router(router)
+
+    @app.exception_handler(errors.ApiError)
+    async def api_error(_: Request, exc: errors.ApiError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query")]
+        param = loc[-1] if loc else None
+        message = f"{param}: {first.get('msg', 'invalid value')}" if param else "invalid request"
+        return _error_response(errors.bad_request(message, param=param))
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        started = time.perf_counter()
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request.state.request_id = request_id
+        response = _precheck(request, settings) or await call_next(request)
+        elapsed = (time.perf_counter() - started) * 1000
+        response.headers["X-Request-Id"] = request_id
+        timing = f"total;dur={elapsed:.1f}"
+        if extra := response.headers.get("x-timing-detail"):
+            timing = f"{extra}, {timing}"
+            del response.headers["x-timing-detail"]
+        response.headers["Server-Timing"] = timing
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        metrics.requests.labels(route=path, status=str(response.status_code)).inc()
+        return response
+
+    return app
+
+
+def _precheck(request: Request, settings: Settings) -> Response | None:
+    """Authentication and the upload-size limit, before the body is read."""
+    path = request.url.path
+    if settings.api_keys and not path.startswith(PUBLIC_PATHS) and path != "/":
+        header = request.headers.get("authorization", "")
+        token = header[7:].strip() if header.lower().startswith("bearer ") else ""
+        if not any(hmac.compare_digest(token.encode(), key.encode()) for key in settings.api_keys):
+            return _error_response(errors.unauthorized())
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > settings.max_upload_bytes + MULTIPART_OVERHEAD:
+        return _error_response(errors.too_large(settings.max_upload_bytes))
+    return None

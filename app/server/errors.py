@@ -1,0 +1,59 @@
+"""API errors as values, mapped to OpenAI's error JSON and status codes in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ApiError(Exception):
+    """An error the API reports to the client: `{"error": {"message", "type", "param", "code"}}`."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    code: str | None = None
+    param: str | None = None
+    headers: tuple[tuple[str, str], ...] = ()
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def unauthorized() -> ApiError:
+    return ApiError(401, "Incorrect or missing API key.", type="invalid_request_error", code="invalid_api_key")
+
+
+def model_not_found(model: str) -> ApiError:
+    return ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
+def too_large(limit: int) -> ApiError:
+    return ApiError(413, f"Upload exceeds the limit of {limit} bytes.", param="file", code="file_too_large")
+
+
+def unsupported_media(message: str) -> ApiError:
+    return ApiError(415, message, param="file", code="unsupported_media_type")
+
+
+def queue_full(retry_after: int) -> ApiError:
+    return ApiError(
+        429,
+        "The server is at capacity; retry later.",
+        type="rate_limit_error",
+        code="queue_full",
+        headers=(("Retry-After", str(retry_after)),),
+    )
+
+
+def not_ready(message: str = "The model worker is not ready; retry shortly.") -> ApiError:
+    return ApiError(503, message, type="server_error", code="not_ready", headers=(("Retry-After", "2"),))
+
+
+def timeout(seconds: float) -> ApiError:
+    return ApiError(504, f"Transcription did not finish within {seconds:g} s.", type="server_error", code="timeout")

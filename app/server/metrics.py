@@ -1,0 +1,37 @@
+"""Prometheus metrics of one server instance (own registry: no module-level state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 300)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("specwhisper_requests", "HTTP requests", ["route", "status"], registry=r)
+        self.queue_seconds = Histogram(
+            "specwhisper_queue_seconds", "time waiting for a batch", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.encode_seconds = Histogram(
+            "specwhisper_encode_seconds", "encoder time", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.decode_seconds = Histogram(
+            "specwhisper_decode_seconds", "decoding time", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.total_seconds = Histogram(
+            "specwhisper_request_seconds", "request time in the server", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.audio_seconds = Counter("specwhisper_audio_seconds", "audio transcribed", registry=r)
+        self.tokens = Counter("specwhisper_tokens", "tokens generated", registry=r)
+        self.draft_proposed = Counter("specwhisper_draft_proposed", "drafted tokens", registry=r)
+        self.draft_accepted = Counter("specwhisper_draft_accepted", "drafted tokens accepted", registry=r)
+        self.batch_size = Histogram(
+            "specwhisper_batch_size", "requests per batch", buckets=(1, 2, 3, 4, 8, 16), registry=r
+        )
+        self.queue_depth = Gauge("specwhisper_queue_depth", "requests waiting", registry=r)
+        self.worker_up = Gauge("specwhisper_worker_up", "1 when the worker is ready", registry=r)
+        self.worker_restarts = Gauge("specwhisper_worker_restarts", "worker process restarts", registry=r)
+        self.model_load_seconds = Gauge("specwhisper_model_load_seconds", "model load time of the worker", registry=r)

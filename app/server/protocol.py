@@ -1,0 +1,48 @@
+"""Messages between the web process and the worker process (pickled over a pipe)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from app.engine.transcriber import DecodingOptions, Transcription
+
+
+@dataclass(frozen=True)
+class Job:
+    request_id: str
+    audio: np.ndarray
+    options: DecodingOptions
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    batch_id: int
+    jobs: list[Job]
+
+
+@dataclass(frozen=True)
+class JobResult:
+    request_id: str
+    transcription: Transcription | None = None
+    error: str | None = None  # message of an invalid request (the others still succeed)
+    internal: bool = False  # the error is the server's fault, not the request's
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    batch_id: int
+    results: list[JobResult]
+
+
+@dataclass(frozen=True)
+class Ready:
+    model: str
+    assistant: str | None
+    load_seconds: float
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass

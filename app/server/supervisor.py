@@ -1,0 +1,151 @@
+"""Runs the worker process from the web process: start, readiness, batches, death and restart."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing as mp
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+
+from app.server.protocol import BatchRequest, BatchResult, Job, JobResult, Ready, Stop
+from app.server.worker import worker_main
+from app.settings import Settings
+
+log = logging.getLogger("specwhisper.supervisor")
+
+
+class WorkerUnavailable(RuntimeError):
+    """The worker is loading, restarting, or died while running the batch."""
+
+
+class WorkerSupervisor:
+    """Owns one worker process; restarts it when it dies, failing its in-flight batch at once."""
+
+    def __init__(self, settings: Settings, on_ready: Callable[[Ready], None] | None = None) -> None:
+        self.settings = settings
+        self.on_ready = on_ready
+        self.ready: Ready | None = None
+        self.restarts = 0
+        self._ids = itertools.count()
+        self._proc: BaseProcess | None = None
+        self._conn: Connection | None = None
+        self._inflight: dict[int, asyncio.Future[BatchResult]] = {}
+        self._send_lock = asyncio.Lock()
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready_event = asyncio.Event()
+        self._generation = 0
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ready is not None and not self._stopping
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._spawn()
+
+    def _spawn(self) -> None:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=worker_main, args=(self.settings, child), name="specwhisper-worker", daemon=True)
+        proc.start()
+        child.close()
+        self._generation += 1
+        self._proc, self._conn = proc, parent
+        self.ready = None
+        self._ready_event.clear()
+        threading.Thread(target=self._read, args=(parent, self._generation), name="worker-reader", daemon=True).start()
+        log.info("worker started (pid %s)", proc.pid)
+
+    async def wait_ready(self, timeout: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._ready_event.wait(), timeout)
+        return self.is_ready
+
+    def _read(self, conn: Connection, generation: int) -> None:
+        """Reader thread: hands every message to the event loop; EOF means the worker is gone."""
+        assert self._loop is not None
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                self._loop.call_soon_threadsafe(self._on_exit, generation)
+                return
+            self._loop.call_soon_threadsafe(self._on_message, message)
+
+    def _on_message(self, message: object) -> None:
+        if isinstance(message, Ready):
+            self.ready = message
+            self._ready_event.set()
+            log.info(
+                "worker ready: %s (assistant %s) in %.1f s", message.model, message.assistant, message.load_seconds
+            )
+            if self.on_ready:
+                self.on_ready(message)
+        elif isinstance(message, BatchResult):
+            future = self._inflight.pop(message.batch_id, None)
+            if future is not None and not future.done():
+                future.set_result(message)
+
+    def _on_exit(self, generation: int) -> None:
+        if generation != self._generation:
+            return
+        self.ready = None
+        self._ready_event.clear()
+        failed = list(self._inflight.values())
+        self._inflight.clear()
+        for future in failed:
+            if not future.done():
+                future.set_exception(WorkerUnavailable("the worker process died while transcribing"))
+        if self._stopping:
+            return
+        code = self._proc.exitcode if self._proc is not None else None
+        log.error("worker exited (code %s); restarting, %d batch(es) failed", code, len(failed))
+        self.restarts += 1
+        if self._proc is not None:
+            self._proc.join(timeout=1)
+        self._spawn()
+
+    async def run(self, jobs: list[Job]) -> list[JobResult]:
+        if not self.is_ready or self._conn is None:
+            raise WorkerUnavailable("the worker is not ready")
+        loop = asyncio.get_running_loop()
+        batch_id = next(self._ids)
+        future: asyncio.Future[BatchResult] = loop.create_future()
+        self._inflight[batch_id] = future
+        conn = self._conn
+        try:
+            async with self._send_lock:
+                await asyncio.to_thread(conn.send, BatchRequest(batch_id, jobs))
+        except (OSError, ValueError) as exc:
+            self._inflight.pop(batch_id, None)
+            raise WorkerUnavailable(f"could not reach the worker: {exc}") from exc
+        result = await future
+        return result.results
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        proc, conn = self._proc, self._conn
+        if proc is None or conn is None:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            await asyncio.to_thread(conn.send, Stop())
+        deadline = time.monotonic() + timeout
+        while proc.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if proc.is_alive():
+            proc.terminate()
+            await asyncio.to_thread(proc.join, 5)
+        if proc.is_alive():
+            proc.kill()
+        conn.close()
