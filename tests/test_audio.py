@@ -1,0 +1,95 @@
+"""Audio decoding: common containers and codecs, resampling, limits, bad input."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+import soundfile as sf
+
+from app.audio import SAMPLE_RATE, AudioError, AudioTooLongError, decode_audio, load_audio
+
+
+def _encode(samples: np.ndarray, rate: int, container: str, codec: str) -> bytes:
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=container) as out:
+        stream = out.add_stream(codec, rate=rate)
+        stream.layout = "mono"
+        frame_size = 960 if codec == "libopus" else 1024
+        fmt = stream.codec_context.format.name
+        for start in range(0, samples.size, frame_size):
+            chunk = samples[start : start + frame_size]
+            frame = av.AudioFrame.from_ndarray(
+                (chunk * 32767).astype(np.int16).reshape(1, -1), format="s16", layout="mono"
+            )
+            frame.sample_rate = rate
+            resampler = av.AudioResampler(format=fmt, layout="mono", rate=rate)
+            for f in resampler.resample(frame):
+                for packet in stream.encode(f):
+                    out.mux(packet)
+        for packet in stream.encode(None):
+            out.mux(packet)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("container", "codec", "rate"),
+    [
+        ("mp3", "mp3", 44100),
+        ("ogg", "libopus", 48000),
+        ("ipod", "aac", 44100),
+        ("webm", "libopus", 48000),
+        ("flac", "flac", 22050),
+    ],
+)
+def test_compressed_formats_decode_to_16k_mono(benchdata: Path, container: str, codec: str, rate: int) -> None:
+    import soxr
+
+    reference = load_audio(benchdata / "audio/whisper/jfk.wav")
+    source = soxr.resample(reference, SAMPLE_RATE, rate).astype(np.float32)
+    try:
+        data = _encode(source, rate, container, codec)
+    except (av.FFmpegError, ValueError) as exc:  # an FFmpeg build without this encoder
+        pytest.skip(f"no {codec} encoder in this FFmpeg build: {exc}")
+    decoded = decode_audio(data)
+    assert decoded.dtype == np.float32 and decoded.ndim == 1
+    assert abs(decoded.size / SAMPLE_RATE - 11.0) < 0.2
+    # Same loudness envelope as the source (codecs shift phase, so compare 100-ms energies).
+    n = min(decoded.size, reference.size) // 1600 * 1600
+    env_ref = np.sqrt((reference[:n].reshape(-1, 1600) ** 2).mean(1))
+    env_dec = np.sqrt((decoded[:n].reshape(-1, 1600) ** 2).mean(1))
+    assert np.corrcoef(env_ref, env_dec)[0, 1] > 0.9
+
+
+def test_stereo_and_rates_are_converted() -> None:
+    t = np.arange(44100 * 2) / 44100
+    left = np.sin(2 * np.pi * 440 * t).astype(np.float32)
+    buf = io.BytesIO()
+    sf.write(buf, np.stack([left, left], axis=1), 44100, format="WAV")
+    out = decode_audio(buf.getvalue())
+    assert out.size == pytest.approx(2 * SAMPLE_RATE, abs=2)
+    assert 0.6 < float(np.abs(out).max()) < 1.1
+
+
+def test_bad_input_is_a_clear_error() -> None:
+    with pytest.raises(AudioError, match="empty"):
+        decode_audio(b"")
+    with pytest.raises(AudioError):
+        decode_audio(b"RIFF\x24\x00\x00\x00WAVEfmt \x10\x00\x00\x00" + b"\x00" * 10)
+    with pytest.raises(AudioError):
+        decode_audio(np.random.default_rng(0).bytes(5000))
+    buf = io.BytesIO()
+    sf.write(buf, np.array([0.0, np.nan, 0.1], dtype=np.float32), 16000, format="WAV", subtype="FLOAT")
+    with pytest.raises(AudioError, match="NaN"):
+        decode_audio(buf.getvalue())
+
+
+def test_duration_limit_is_checked_before_decoding() -> None:
+    buf = io.BytesIO()
+    sf.write(buf, np.zeros(16000 * 20, dtype=np.int16), 16000, format="FLAC")
+    with pytest.raises(AudioTooLongError):
+        decode_audio(buf.getvalue(), max_seconds=10)
+    assert decode_audio(buf.getvalue(), max_seconds=30).size == 16000 * 20
