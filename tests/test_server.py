@@ -194,7 +194,8 @@ def test_worker_killed_mid_request_fails_fast_then_recovers(server: ServerProces
     os.kill(pid, signal.SIGKILL)
     thread.join(60)
     assert result["status"] == 503, result
-    assert result["at"] - killed_at < 2.0  # type: ignore[operator]
+    # Fails fast instead of hanging until the 300-s client timeout (loose bound: shared, noisy machines).
+    assert result["at"] - killed_at < 10.0  # type: ignore[operator]
     assert result["body"]["error"]["type"] == "server_error"  # type: ignore[index]
     server.wait_ready(180)
     ready = httpx.get(f"{server.url}/health/ready").json()
