@@ -31,6 +31,12 @@ class RowStats:
     main_passes: int = 0
     draft_passes: int = 0
 
+    def add(self, other: RowStats) -> None:
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.main_passes += other.main_passes
+        self.draft_passes += other.draft_passes
+
 
 @dataclass(frozen=True)
 class Decoded:

@@ -23,7 +23,7 @@ from app.audio import SAMPLE_RATE
 from app.engine.alignment import Word, align_words
 from app.engine.batch import Row
 from app.engine.decoder import CrossKV
-from app.engine.decoding import Decoded, decode, detect_language
+from app.engine.decoding import Decoded, RowStats, decode, detect_language
 from app.engine.draft import Drafter, DraftInputs
 from app.engine.features import (
     FRAMES_PER_SECOND,
@@ -150,21 +150,13 @@ def compression_ratio(text: str) -> float:
 
 @dataclass
 class _Counters:
-    drafted: int = 0
-    accepted: int = 0
-    main_passes: int = 0
-    draft_passes: int = 0
+    """A request's totals over its windows (and fallback attempts)."""
+
+    decoding: RowStats = field(default_factory=RowStats)
     encode_s: float = 0.0
     decode_s: float = 0.0
     windows: int = 0
     tokens: int = 0
-
-    def add(self, decoded: Decoded) -> None:
-        s = decoded.stats
-        self.drafted += s.drafted
-        self.accepted += s.accepted
-        self.main_passes += s.main_passes
-        self.draft_passes += s.draft_passes
 
 
 class _Job:
@@ -268,7 +260,7 @@ class Engine:
             decoded = self._decode([jobs[i] for i in pending], temps, sub_cross, session_inputs, index)
             retry = []
             for i, d, t in zip(pending, decoded, temps, strict=True):
-                jobs[i].counters.add(d)
+                jobs[i].counters.decoding.add(d.stats)
                 results[i] = (d, t)
                 if self._needs_fallback(jobs[i].options, d):
                     retry.append(i)
@@ -419,6 +411,7 @@ class Engine:
 
     def _result(self, job: _Job, total_s: float, batch: int) -> Transcription:
         c = job.counters
+        s = c.decoding
         n_tokens = c.tokens
         total_ms = total_s * 1000
         metrics = Metrics(
@@ -427,12 +420,12 @@ class Engine:
             decode_ms=round(c.decode_s * 1000, 2),
             total_ms=round(total_ms, 2),
             tokens=n_tokens,
-            draft_proposed=c.drafted,
-            draft_accepted=c.accepted,
-            acceptance_rate=round(c.accepted / c.drafted, 4) if c.drafted else 0.0,
-            main_passes=c.main_passes,
-            draft_passes=c.draft_passes,
-            tokens_per_main_pass=round(n_tokens / c.main_passes, 3) if c.main_passes else 0.0,
+            draft_proposed=s.drafted,
+            draft_accepted=s.accepted,
+            acceptance_rate=round(s.accepted / s.drafted, 4) if s.drafted else 0.0,
+            main_passes=s.main_passes,
+            draft_passes=s.draft_passes,
+            tokens_per_main_pass=round(n_tokens / s.main_passes, 3) if s.main_passes else 0.0,
             real_time_factor=round(total_s / job.duration, 4) if job.duration else 0.0,
             speculative=self.drafter is not None and job.options.use_assistant,
             batch_size=batch,
