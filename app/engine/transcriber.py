@@ -203,10 +203,6 @@ class Engine:
         self.generator = torch.Generator().manual_seed(seed)
         self._rules = {ts: main.logit_rules(timestamps=ts) for ts in (False, True)}
 
-    @property
-    def speculative(self) -> bool:
-        return self.drafter is not None
-
     def check(self, options: DecodingOptions) -> None:
         tok = self.main.tokenizer
         known = options.language is None or options.language in tok.language_ids
@@ -366,6 +362,7 @@ class Engine:
             spans.append((offset, offset + duration, tokens))
             job.seek += size
         job.counters.tokens += len(tokens)
+        ratio = compression_ratio(tok.decode(tokens))  # of the whole window, as OpenAI reports it
         before = len(job.segments)
         for start, end, part in spans:
             text_tokens = [t for t in part if t < tok.eot]
@@ -382,7 +379,7 @@ class Engine:
                     tokens=part,
                     temperature=temperature,
                     avg_logprob=d.avg_logprob,
-                    compression_ratio=compression_ratio(tok.decode(d.tokens)),
+                    compression_ratio=ratio,
                     no_speech_prob=d.no_speech_prob or 0.0,
                 )
             )
