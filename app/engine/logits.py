@@ -9,7 +9,7 @@ already generated before it (`sample_index`) and the generated tokens themselves
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol
 
@@ -40,25 +40,35 @@ class LogitRule(Protocol):
 
 
 @dataclass(frozen=True)
-class SuppressTokens:
-    """Never emit these tokens (Whisper's `suppress_tokens`: symbols, speaker tags, special tokens)."""
+class _TokenSet:
+    """A fixed set of token ids with its index tensor built once (rules run at every decoding step)."""
 
     token_ids: tuple[int, ...]
+    _index: Tensor = field(init=False, repr=False, compare=False)
 
-    def apply(self, logits: Tensor, ctx: LogitContext) -> None:
-        logits[:, list(self.token_ids)] = -torch.inf
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_index", torch.tensor(self.token_ids, dtype=torch.long))
+
+    def index(self, device: torch.device) -> Tensor:
+        return self._index.to(device)
 
 
 @dataclass(frozen=True)
-class SuppressAtBegin:
-    """Suppress tokens at the first generated position (Whisper's `begin_suppress_tokens`)."""
+class SuppressTokens(_TokenSet):
+    """Never emit these tokens (Whisper's `suppress_tokens`: symbols, speaker tags, special tokens)."""
 
-    token_ids: tuple[int, ...]
+    def apply(self, logits: Tensor, ctx: LogitContext) -> None:
+        logits.index_fill_(-1, self.index(logits.device), -torch.inf)
+
+
+@dataclass(frozen=True)
+class SuppressAtBegin(_TokenSet):
+    """Suppress tokens at the first generated position (Whisper's `begin_suppress_tokens`)."""
 
     def apply(self, logits: Tensor, ctx: LogitContext) -> None:
         first = (ctx.sample_index == 0).nonzero().flatten()
         if first.numel():
-            ids = torch.tensor(self.token_ids, device=logits.device)
+            ids = self.index(logits.device)
             logits[first.unsqueeze(1), ids.unsqueeze(0)] = -torch.inf
 
 
