@@ -1,20 +1,30 @@
-"""Side-by-side benchmark: main-only greedy vs speculative decoding in the same engine, same run."""
+"""Side-by-side benchmark: main-only greedy vs speculative decoding in the same engine, same run.
+
+Each clip runs through both modes back to back (after a warm-up), optionally also through
+transformers' `generate` (plain and assisted) and faster-whisper on the same weights
+(`app/comparisons.py`). Peak memory is measured per mode, each in its own child process.
+"""
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import resource
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
 from app.audio import load_audio
+from app.comparisons import ClipRunner, FasterWhisper, HFGenerate, RunResult
+from app.engine.assistant import NO_ASSISTANT
 from app.engine.transcriber import DecodingOptions, Engine, Transcription
+from app.settings import Settings
 
 CHARACTER_LANGUAGES = {"ja", "ko", "zh", "th", "yue"}
 
@@ -48,6 +58,7 @@ class ClipRun:
     plain: Transcription
     spec: Transcription
     reference: str
+    baselines: dict[str, RunResult] = field(default_factory=dict)
 
     @property
     def identical(self) -> bool:
@@ -55,17 +66,46 @@ class ClipRun:
 
 
 def _peak_rss_mb() -> float:
+    """This process's peak resident set (MB). VmHWM, unlike ru_maxrss, is not inherited across exec,
+    so a spawned child reports its own peak."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _errors(runs: list[ClipRun], which: str) -> float:
+def error_rate(pairs: Sequence[tuple[str, str, str]]) -> float:
+    """WER (CER for languages without spaces) over (reference, hypothesis, language) triples."""
     errors = units = 0
-    for r in runs:
-        ref = error_units(r.reference, r.language)
-        hyp = error_units(getattr(r, which).text, r.language)
-        errors += edit_distance(ref, hyp)
+    for reference, hypothesis, language in pairs:
+        ref = error_units(reference, language)
+        errors += edit_distance(ref, error_units(hypothesis, language))
         units += len(ref)
     return errors / units if units else 0.0
+
+
+def _errors(runs: list[ClipRun], which: str) -> float:
+    return error_rate([(r.reference, getattr(r, which).text, r.language) for r in runs])
+
+
+def _baseline_summary(runs: list[ClipRun], name: str) -> dict[str, Any]:
+    """A reference decoder against the engine: wall-time ratios, token agreement with main-only greedy, WER."""
+    total = sum(r.baselines[name].total_ms for r in runs)
+    spec_total = sum(r.spec.metrics.total_ms for r in runs)
+    plain_total = sum(r.plain.metrics.total_ms for r in runs)
+    return {
+        "total_ms": total,
+        "speedup_spec_vs_this": total / spec_total if spec_total else 0.0,
+        "speedup_main_only_vs_this": total / plain_total if plain_total else 0.0,
+        "identical_tokens_fraction": sum(r.baselines[name].tokens == r.plain.tokens for r in runs) / len(runs),
+        "same_text_fraction": sum(
+            error_units(r.baselines[name].text, r.language) == error_units(r.plain.text, r.language) for r in runs
+        )
+        / len(runs),
+        "wer": error_rate([(r.reference, r.baselines[name].text, r.language) for r in runs]),
+    }
 
 
 def _summary(runs: list[ClipRun]) -> dict[str, Any]:
@@ -90,7 +130,19 @@ def _summary(runs: list[ClipRun]) -> dict[str, Any]:
         "decode_ms_spec": spec_decode,
         "total_ms_main": plain_total,
         "total_ms_spec": spec_total,
+        **{name: _baseline_summary(runs, name) for name in (runs[0].baselines if runs else {})},
     }
+
+
+def select_clips(manifest: Path, languages: set[str] | None, limit: int | None, max_seconds: float) -> list[dict]:
+    """Manifest entries of at most `max_seconds`, in the given languages, the first `limit`."""
+    entries = [json.loads(line) for line in manifest.read_text().splitlines() if line.strip()]
+    entries = [
+        e for e in entries if e["duration_s"] <= max_seconds and (languages is None or e["language"] in languages)
+    ][: limit or None]
+    if not entries:
+        raise ValueError("no clips match the filters")
+    return entries
 
 
 def run_bench(
@@ -101,26 +153,37 @@ def run_bench(
     limit: int | None,
     batches: Sequence[int],
     max_seconds: float = 30.0,
+    settings: Settings | None = None,
+    compare_hf: bool = False,
+    compare_faster_whisper: bool = False,
 ) -> dict[str, Any]:
-    entries = [json.loads(line) for line in manifest.read_text().splitlines() if line.strip()]
-    entries = [
-        e for e in entries if e["duration_s"] <= max_seconds and (languages is None or e["language"] in languages)
-    ][: limit or None]
-    if not entries:
-        raise ValueError("no clips match the filters")
+    """Run the clips through both modes (and the chosen reference decoders), interleaved per clip.
+
+    With `settings`, the peak RSS of each mode is measured in its own child process.
+    """
+    entries = select_clips(manifest, languages, limit, max_seconds)
     audio = {e["id"]: load_audio(manifest.parent / e["audio"]) for e in entries}
-    warm = audio[entries[0]["id"]]
+    runners: list[ClipRunner] = []
+    if compare_hf:
+        runners += [HFGenerate(engine.main, assisted=False), HFGenerate(engine.main, assisted=True)]
+    if compare_faster_whisper:
+        runners.append(FasterWhisper(engine.main, threads=torch_threads()))
+    warm = entries[0]
     for use in (False, True):  # warm-up: allocator, thread pools, quantized kernels
-        engine.transcribe([warm], [DecodingOptions(language=entries[0]["language"], use_assistant=use)])
-    rss_main = _peak_rss_mb()
+        engine.transcribe([audio[warm["id"]]], [DecodingOptions(language=warm["language"], use_assistant=use)])
+    for runner in runners:
+        runner.run(audio[warm["id"]], warm["language"])
     runs: list[ClipRun] = []
     for e in tqdm(entries, desc="bench", unit="clip"):
-        opts = DecodingOptions(language=e["language"])
-        plain = engine.transcribe([audio[e["id"]]], [DecodingOptions(language=e["language"], use_assistant=False)])[0]
-        spec = engine.transcribe([audio[e["id"]]], [opts])[0]
-        runs.append(ClipRun(e["id"], e["language"], plain, spec, e["text"]))
+        clip = audio[e["id"]]
+        plain = engine.transcribe([clip], [DecodingOptions(language=e["language"], use_assistant=False)])[0]
+        spec = engine.transcribe([clip], [DecodingOptions(language=e["language"])])[0]
+        baselines = {runner.name: runner.run(clip, e["language"]) for runner in runners}
+        runs.append(ClipRun(e["id"], e["language"], plain, spec, e["text"], baselines))
     report = _summary(runs)
-    report["peak_rss_mb"] = {"after_main_only_warmup": rss_main, "overall": _peak_rss_mb()}
+    report["peak_rss_mb"] = {"bench_process": _peak_rss_mb()}
+    if settings is not None:
+        report["peak_rss_mb"].update(peak_rss_by_mode(settings, manifest, entries, max(batches, default=1)))
     by_language: dict[str, list[ClipRun]] = defaultdict(list)
     for r in runs:
         by_language[r.language].append(r)
@@ -131,7 +194,9 @@ def run_bench(
             "language": r.language,
             "identical": r.identical,
             "decode_speedup": r.plain.metrics.decode_ms / r.spec.metrics.decode_ms if r.spec.metrics.decode_ms else 0,
+            "e2e_speedup": r.plain.metrics.total_ms / r.spec.metrics.total_ms if r.spec.metrics.total_ms else 0,
             "acceptance_rate": r.spec.metrics.acceptance_rate,
+            **{f"{name}_ms": b.total_ms for name, b in r.baselines.items()},
         }
         for r in runs
     ]
@@ -139,9 +204,53 @@ def run_bench(
     return report
 
 
-def _batch_throughput(engine: Engine, entries: list[dict], audio: dict, size: int) -> dict[str, float]:
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _mode_peak_rss(settings: Settings, paths: list[Path], languages: list[str], batch: int) -> float:
+    """In a fresh process: build the engine, transcribe each clip, then the first batch; peak RSS (MB)."""
+    from app.runtime import build_engine
+
+    engine = build_engine(settings, progress=False)
+    use = settings.assistant != NO_ASSISTANT
+    clips = [load_audio(p) for p in paths]
+    for clip, language in zip(clips, languages, strict=True):
+        engine.transcribe([clip], [DecodingOptions(language=language, use_assistant=use)])
+    engine.transcribe(clips[:batch], [DecodingOptions(language=lang, use_assistant=use) for lang in languages[:batch]])
+    return _peak_rss_mb()
+
+
+def peak_rss_by_mode(settings: Settings, manifest: Path, entries: list[dict], batch: int) -> dict[str, float]:
+    """Peak RSS of a main-only engine and of the speculative engine, each in its own child process,
+    over the longest clip alone and the first `batch` clips together; and the assistant's share."""
+    longest = max(entries, key=lambda e: e["duration_s"])
+    chosen = [longest, *[e for e in entries[:batch] if e is not longest]][: max(batch, 1)]
+    paths = [manifest.parent / e["audio"] for e in chosen]
+    languages = [e["language"] for e in chosen]
+    modes = {"main_only": settings.model_copy(update={"assistant": NO_ASSISTANT}), "speculative": settings}
+    out: dict[str, float] = {}
+    context = multiprocessing.get_context("spawn")
+    for name, mode_settings in modes.items():
+        with context.Pool(1) as pool:
+            out[name] = pool.apply(_mode_peak_rss, (mode_settings, paths, languages, batch))
+    if settings.assistant != NO_ASSISTANT:
+        out["assistant_share"] = (out["speculative"] - out["main_only"]) / out["main_only"]
+    return out
+
+
+def _batch_throughput(
+    engine: Engine, entries: list[dict], audio: dict[str, np.ndarray], size: int
+) -> dict[str, float | bool]:
     groups = [entries[i : i + size] for i in range(0, len(entries) - size + 1, size)] or [entries[:size]]
     seconds = {False: 0.0, True: 0.0}
+    warm = groups[0]
+    for use in (False, True):  # this batch size's own warm-up (allocations of the wider caches)
+        engine.transcribe(
+            [audio[e["id"]] for e in warm], [DecodingOptions(language=e["language"], use_assistant=use) for e in warm]
+        )
     identical = True
     for group in groups:
         clips = [audio[e["id"]] for e in group]

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def test_bench_reports_identical_tokens_and_ratios(benchdata: Path, tmp_path: Path) -> None:
     out_json = tmp_path / "bench.json"
@@ -52,3 +54,6 @@ def test_bench_reports_identical_tokens_and_ratios(benchdata: Path, tmp_path: Pa
     assert 0.0 < report["acceptance_rate"] <= 1.0 and report["decode_speedup"] > 0
     assert report["batches"]["2"]["identical"] is True
     assert set(report["languages"]) <= {"en", "es"}
+    rss = report["peak_rss_mb"]  # each mode in its own process: the assistant's own footprint
+    assert rss["main_only"] > 100 and rss["speculative"] > rss["main_only"]
+    assert rss["assistant_share"] == pytest.approx((rss["speculative"] - rss["main_only"]) / rss["main_only"])
