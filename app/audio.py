@@ -14,6 +14,7 @@ import soundfile as sf
 import soxr
 
 SAMPLE_RATE = 16000
+BLOCK_SAMPLES = 1 << 20  # interleaved samples read at a time: memory stays bounded by the output
 
 
 class AudioError(ValueError):
@@ -79,21 +80,50 @@ def decode_audio(data: bytes, max_seconds: float | None = None) -> np.ndarray:
     if not data:
         raise AudioError("the audio file is empty")
     try:
-        info = sf.info(io.BytesIO(data))
+        source = sf.SoundFile(io.BytesIO(data))
     except Exception:
         samples, rate = _decode_with_av(data, max_seconds)
+        audio = _to_mono_16k(samples, rate)
     else:
-        if info.samplerate <= 0 or info.channels <= 0:
-            raise AudioError("the audio header is invalid")
-        _too_long(info.frames / info.samplerate, max_seconds)
-        try:
-            samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=False)
-        except Exception as exc:
-            raise AudioError(f"could not decode audio: {exc}") from exc
-    audio = _to_mono_16k(samples, rate)
+        with source:
+            audio = _decode_with_soundfile(source, max_seconds)
     if audio.size == 0:
         raise AudioError("the audio holds no samples")
     return audio
+
+
+def _decode_with_soundfile(source: sf.SoundFile, max_seconds: float | None) -> np.ndarray:
+    """Read in blocks, mixing down and resampling each: a file with many channels at a high rate
+    (a few MB of FLAC can expand to GBs of float32) never lives in memory at its own rate."""
+    rate, channels = source.samplerate, source.channels
+    if rate <= 0 or channels <= 0:
+        raise AudioError("the audio header is invalid")
+    _too_long(source.frames / rate, max_seconds)
+    resampler = None
+    if rate != SAMPLE_RATE:
+        resampler = soxr.ResampleStream(rate, SAMPLE_RATE, 1, dtype="float32", quality="HQ")
+    chunks: list[np.ndarray] = []
+    produced = 0
+    try:
+        for block in source.blocks(blocksize=max(1, BLOCK_SAMPLES // channels), dtype="float32", always_2d=True):
+            mono = block.mean(axis=1, dtype=np.float32) if channels > 1 else block[:, 0].copy()
+            if not np.all(np.isfinite(mono)):
+                raise AudioError("audio contains NaN or infinite samples")
+            out = resampler.resample_chunk(mono) if resampler is not None else mono
+            chunks.append(out)
+            produced += out.size
+            _too_long(produced / SAMPLE_RATE, max_seconds)
+        if resampler is not None:
+            chunks.append(resampler.resample_chunk(np.zeros(0, dtype=np.float32), last=True))
+    except AudioError:
+        raise
+    except MemoryError as exc:
+        raise AudioError("the audio is too large to decode") from exc
+    except Exception as exc:
+        raise AudioError(f"could not decode audio: {exc}") from exc
+    if not chunks:
+        return np.zeros(0, dtype=np.float32)
+    return np.concatenate(chunks).astype(np.float32, copy=False)
 
 
 def load_audio(path: str | Path) -> np.ndarray:

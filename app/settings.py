@@ -35,6 +35,9 @@ class Settings(BaseSettings):
     served_model_name: str | None = Field(None, description="model id in the API (default: the model's name)")
     model_aliases: list[str] = Field(default_factory=lambda: ["whisper-1"], description="other accepted model ids")
     max_batch: int = Field(4, ge=1, le=4, description="most requests decoded together")
+    speculation: Literal["adaptive", "always", "never"] = Field(
+        "adaptive", description="per batch: measured choice, always speculative, or always plain greedy"
+    )
     batch_window_ms: float = Field(10.0, ge=0, le=1000, description="how long a batch waits to fill")
     queue_size: int = Field(64, ge=1, description="requests waiting beyond this get 429")
     max_upload_bytes: int = Field(25 * 1024 * 1024, ge=1, description="largest accepted upload")
@@ -43,3 +46,11 @@ class Settings(BaseSettings):
     shutdown_timeout_s: float = Field(30.0, ge=0, description="time to finish in-flight work on shutdown")
     worker_start_timeout_s: float = Field(300.0, gt=0, description="model loading time allowed")
     api_keys: list[str] = Field(default_factory=list, description="accepted Bearer keys; empty = no auth")
+
+    # live transcription (/v1/realtime)
+    realtime_partial_interval_s: float = Field(1.0, gt=0, description="re-transcribe an open utterance this often")
+    realtime_max_utterance_s: float = Field(30.0, gt=1, le=30, description="an utterance is finalized at this length")
+    realtime_max_backlog_s: float = Field(120.0, gt=0, description="untranscribed audio a session may hold")
+    realtime_max_event_bytes: int = Field(1024 * 1024, ge=1024, description="largest client event accepted")
+    realtime_max_sessions: int = Field(32, ge=1, description="concurrent WebSocket sessions")
+    realtime_partial_max_wait_s: float = Field(1.0, ge=0, description="a partial waiting longer goes before uploads")

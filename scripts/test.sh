@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Set up (with dev tools), then lint, type-check and run the whole test suite.
+# Set up (with dev tools and the system packages the tests drive), then lint, type-check and run the
+# whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh dev
+bash scripts/system-deps.sh
+scripts/setup.sh dev,compare
 # shellcheck disable=SC1091
 . .venv/bin/activate
 ruff check app tests

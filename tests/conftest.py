@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +16,7 @@ from app.engine.model import WhisperModel
 from app.settings import default_models_dir
 from app.store.catalog import ModelStore
 from app.store.loader import load_model
+from tests.server import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,3 +73,13 @@ def save_checkpoint(hf_model, like: Path, into: Path) -> Path:
     for name in ("tokenizer.json", "generation_config.json", "preprocessor_config.json"):
         shutil.copyfile(like / name, into / name)
     return into
+
+
+@pytest.fixture(scope="session")
+def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One real server for the streaming and browser tests: live partials every 0.5 s of audio."""
+    log = tmp_path_factory.mktemp("live-server") / "server.log"
+    env = {"SPECWHISPER_REALTIME_PARTIAL_INTERVAL_S": "0.5", "SPECWHISPER_REALTIME_MAX_EVENT_BYTES": "200000"}
+    srv = ServerProcess(env, log=log).start()
+    yield srv
+    srv.stop()

@@ -66,14 +66,42 @@ def _models(args: argparse.Namespace) -> int:
     return run_models(args, _settings(args))
 
 
+def _bench_server(args: argparse.Namespace) -> int:
+    from app.serverbench import run_server_bench
+
+    report = run_server_bench(
+        args.manifest,
+        [int(c) for c in args.concurrency.split(",")],
+        modes=args.modes.split(","),
+        languages=args.languages.split(",") if args.languages else None,
+        limit=args.limit or 8,
+    )
+    print(json.dumps(report, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
+    if args.concurrency:
+        return _bench_server(args)
     from app.bench import plot, run_bench
     from app.runtime import build_engine
 
-    engine = build_engine(_settings(args), progress=False)
+    settings = _settings(args)
+    engine = build_engine(settings, progress=False)
     languages = set(args.languages.split(",")) if args.languages else None
     batches = [int(b) for b in args.batch.split(",")] if args.batch else []
-    report = run_bench(engine, args.manifest, languages=languages, limit=args.limit, batches=batches)
+    report = run_bench(
+        engine,
+        args.manifest,
+        languages=languages,
+        limit=args.limit,
+        batches=batches,
+        settings=None if args.no_rss_split else settings,
+        compare_hf=args.compare_hf,
+        compare_faster_whisper=args.compare_faster_whisper,
+    )
     summary = {k: v for k, v in report.items() if k not in ("per_clip", "languages")}
     print(json.dumps(summary, indent=2))
     if args.json:
@@ -81,6 +109,12 @@ def _bench(args: argparse.Namespace) -> int:
     if args.plot:
         plot(report, args.plot)
     return 0
+
+
+def _gpubench(args: argparse.Namespace) -> int:
+    from app.gpubench import run_cli
+
+    return run_cli(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,9 +149,40 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--limit", type=int, help="at most N clips")
     bench.add_argument("--batch", help="batch sizes for throughput, e.g. 1,2,4")
     bench.add_argument("--json", type=Path, help="write the full report here")
+    bench.add_argument("--concurrency", help="through the server instead: concurrent clients per level, e.g. 1,4,8,16")
+    bench.add_argument(
+        "--modes", default="adaptive,always,never", help="with --concurrency: the speculation settings compared"
+    )
     bench.add_argument("--plot", type=Path, help="write a PNG of per-clip speedup vs acceptance")
+    bench.add_argument(
+        "--compare-hf", action="store_true", help="also transformers' generate(), plain and assistant_model="
+    )
+    bench.add_argument(
+        "--compare-faster-whisper",
+        action="store_true",
+        help="also faster-whisper (fp32, greedy) on the same converted weights (optional dependency)",
+    )
+    bench.add_argument(
+        "--no-rss-split", action="store_true", help="skip measuring each mode's peak RSS in a child process"
+    )
     _add_common(bench)
     bench.set_defaults(handler=_bench)
+
+    from app.gpubench import add_arguments as add_gpubench_arguments
+
+    gpu = commands.add_parser("gpubench", help="per-step draft/verify/main costs with random large-v3 weights")
+    add_gpubench_arguments(gpu)
+    gpu.set_defaults(handler=_gpubench)
+
+    from app import loadtest, soak
+
+    for name, tool, text in (
+        ("loadtest", loadtest, "N concurrent clients against a server, every answer checked (JSON report)"),
+        ("soak", soak, "long mixed upload + WebSocket traffic; RSS, fds, threads, tasks, /dev/shm verdict"),
+    ):
+        sub = commands.add_parser(name, help=text)
+        tool.add_arguments(sub)
+        sub.set_defaults(handler=tool.run_cli)
 
     models = commands.add_parser("models", help="show or convert models in the store")
     models_cmd = models.add_subparsers(dest="models_command", required=True)

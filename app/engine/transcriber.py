@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -34,6 +34,7 @@ from app.engine.features import (
     log_mel,
     window,
 )
+from app.engine.kernels import pack_linears
 from app.engine.model import WhisperModel
 from app.engine.tokenizer import TASKS
 
@@ -201,6 +202,11 @@ class Engine:
         self.main = main
         self.drafter = drafter
         self.generator = torch.Generator().manual_seed(seed)
+        if main.encoder is not None and main.device.type == "cpu" and main.dtype == torch.float32:
+            # The encoder's large products run on oneDNN's fp32 kernels (idempotent for a shared model).
+            # The decoder keeps the default kernels: its 1..k-token products gain little and oneDNN's
+            # per-call thread barrier costs milliseconds whenever another process holds a core.
+            pack_linears(main.encoder)
         self._rules = {ts: main.logit_rules(timestamps=ts) for ts in (False, True)}
 
     def check(self, options: DecodingOptions) -> None:
@@ -211,8 +217,17 @@ class Engine:
         if options.task == "translate" and not tok.multilingual:
             raise InvalidRequestError(f"{self.main.name} is English-only and cannot translate")
 
-    def transcribe(self, audio: Sequence[np.ndarray], options: Sequence[DecodingOptions]) -> list[Transcription]:
-        """Transcribe a batch of 16-kHz mono clips; every request of the batch shares each pass."""
+    def transcribe(
+        self,
+        audio: Sequence[np.ndarray],
+        options: Sequence[DecodingOptions],
+        on_segments: Callable[[int, list[Segment]], None] | None = None,
+    ) -> list[Transcription]:
+        """Transcribe a batch of 16-kHz mono clips; every request of the batch shares each pass.
+
+        on_segments(i, segments) is called after each window with the segments it added to clip i,
+        so that a caller can stream long audio while it is being transcribed.
+        """
         if not audio or len(audio) != len(options):
             raise InvalidRequestError("need one set of options per clip, and at least one clip")
         for clip, opt in zip(audio, options, strict=True):
@@ -226,7 +241,12 @@ class Engine:
                 active = [job for job in jobs if not job.done]
                 if not active:
                     break
+                before = [len(job.segments) for job in active]
                 self._window(active, batch=len(jobs))
+                if on_segments is not None:
+                    for job, n in zip(active, before, strict=True):
+                        if len(job.segments) > n:
+                            on_segments(jobs.index(job), job.segments[n:])
         total = time.perf_counter() - started
         return [self._result(job, total, len(jobs)) for job in jobs]
 

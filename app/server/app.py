@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 import uuid
@@ -12,18 +11,26 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.server import errors
+from app.server.auth import authorized, bearer
 from app.server.batcher import Batcher
+from app.server.limits import BodyLimit, ClientGone
 from app.server.metrics import ServerMetrics
 from app.server.protocol import Ready
+from app.server.realtime.route import router as realtime_router
+from app.server.redact import install as redact_logs
 from app.server.routes import router
 from app.server.service import TranscriptionService
 from app.server.supervisor import WorkerSupervisor
+from app.server.web import STATIC
+from app.server.web import router as web_router
 from app.settings import Settings
 
 log = logging.getLogger("specwhisper.server")
-PUBLIC_PATHS = ("/health/", "/metrics")
+PUBLIC_PATHS = ("/health/", "/metrics", "/stats", "/static/")
 MULTIPART_OVERHEAD = 64 * 1024
 
 
@@ -41,8 +48,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        redact_logs(settings.api_keys)  # uvicorn has configured logging by now
         worker = WorkerSupervisor(settings, on_ready=on_ready)
-        batcher = Batcher(worker, metrics, settings.max_batch, settings.batch_window_ms / 1000, settings.queue_size)
+        batcher = Batcher(
+            worker,
+            metrics,
+            settings.max_batch,
+            settings.batch_window_ms / 1000,
+            settings.queue_size,
+            settings.realtime_partial_max_wait_s,
+        )
         app.state.worker = worker
         app.state.batcher = batcher
         app.state.service = TranscriptionService(settings, batcher, metrics)
@@ -58,11 +73,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="SpecWhisper", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.metrics = metrics
+    app.state.realtime_sessions = 0
     app.include_router(router)
+    app.include_router(realtime_router)
+    app.include_router(web_router)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.exception_handler(errors.ApiError)
     async def api_error(_: Request, exc: errors.ApiError) -> JSONResponse:
         return _error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error_response(errors.from_http(exc.status_code, str(exc.detail), exc.headers))
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, exc: ClientGone) -> Response:
+        metrics.requests_cancelled.inc()
+        return Response(status_code=499)  # nobody reads it: recorded in the logs and metrics
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -71,6 +99,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         param = loc[-1] if loc else None
         message = f"{param}: {first.get('msg', 'invalid value')}" if param else "invalid request"
         return _error_response(errors.bad_request(message, param=param))
+
+    limit = settings.max_upload_bytes
+    app.add_middleware(BodyLimit, limit=limit + MULTIPART_OVERHEAD, reported=limit)  # runs inside `guard`
 
     @app.middleware("http")
     async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -96,11 +127,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 def _precheck(request: Request, settings: Settings) -> Response | None:
     """Authentication and the upload-size limit, before the body is read."""
     path = request.url.path
-    if settings.api_keys and not path.startswith(PUBLIC_PATHS) and path != "/":
-        header = request.headers.get("authorization", "")
-        token = header[7:].strip() if header.lower().startswith("bearer ") else ""
-        if not any(hmac.compare_digest(token.encode(), key.encode()) for key in settings.api_keys):
-            return _error_response(errors.unauthorized())
+    public = path.startswith(PUBLIC_PATHS) or path == "/"
+    if not public and not authorized(bearer(request.headers.get("authorization")), settings.api_keys):
+        return _error_response(errors.unauthorized())
     length = request.headers.get("content-length")
     if length and length.isdigit() and int(length) > settings.max_upload_bytes + MULTIPART_OVERHEAD:
         return _error_response(errors.too_large(settings.max_upload_bytes))

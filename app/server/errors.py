@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)  # not frozen: Starlette clears `__traceback__` on the exceptions it handles
 class ApiError(Exception):
     """An error the API reports to the client: `{"error": {"message", "type", "param", "code"}}`."""
 
@@ -57,3 +58,12 @@ def not_ready(message: str = "The model worker is not ready; retry shortly.") ->
 
 def timeout(seconds: float) -> ApiError:
     return ApiError(504, f"Transcription did not finish within {seconds:g} s.", type="server_error", code="timeout")
+
+
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "file_too_large", 415: "unsupported_media_type"}
+
+
+def from_http(status: int, detail: str, headers: Mapping[str, str] | None = None) -> ApiError:
+    """A framework error (unknown route, wrong method, unparsable multipart body) in OpenAI's shape."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return ApiError(status, detail, type=kind, code=HTTP_CODES.get(status), headers=tuple((headers or {}).items()))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import asyncio
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 300)
 
@@ -34,4 +36,31 @@ class ServerMetrics:
         self.queue_depth = Gauge("specwhisper_queue_depth", "requests waiting", registry=r)
         self.worker_up = Gauge("specwhisper_worker_up", "1 when the worker is ready", registry=r)
         self.worker_restarts = Gauge("specwhisper_worker_restarts", "worker process restarts", registry=r)
+        self.realtime_sessions = Gauge("specwhisper_realtime_sessions", "open WebSocket sessions", registry=r)
+        self.utterance_latency = Histogram(
+            "specwhisper_realtime_utterance_latency_seconds",
+            "last audio of an utterance (commit, VAD stop or length cut) to its completed event",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.realtime_partials = Counter("specwhisper_realtime_partials", "partial re-transcriptions", registry=r)
+        self.realtime_errors = Counter(
+            "specwhisper_realtime_errors", "error events sent to realtime clients", ["code"], registry=r
+        )
         self.model_load_seconds = Gauge("specwhisper_model_load_seconds", "model load time of the worker", registry=r)
+        self.requests_cancelled = Counter(
+            "specwhisper_requests_cancelled", "requests whose client disconnected before the answer", registry=r
+        )
+        self.queue_dropped = Counter(
+            "specwhisper_queue_dropped", "queued requests dropped before running (their client went away)", registry=r
+        )
+        self.asyncio_tasks = Gauge("specwhisper_asyncio_tasks", "asyncio tasks in the web process", registry=r)
+        self.asyncio_tasks.set_function(_task_count)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, ... of the web process
+
+
+def _task_count() -> float:
+    try:
+        return float(len(asyncio.all_tasks()))
+    except RuntimeError:  # collected outside the event loop
+        return 0.0

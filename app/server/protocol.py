@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from app.engine.transcriber import DecodingOptions, Transcription
+from app.engine.transcriber import DecodingOptions, Segment, Transcription
 
 
 @dataclass(frozen=True)
@@ -14,6 +14,15 @@ class Job:
     request_id: str
     audio: np.ndarray
     options: DecodingOptions
+    stream: bool = False  # send Progress messages as windows complete
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Segments a streaming job gained in one window, sent before its batch finishes."""
+
+    request_id: str
+    segments: list[Segment]
 
 
 @dataclass(frozen=True)

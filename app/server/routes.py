@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Annotated
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
 
 from fastapi import APIRouter, File, Form, Request, Response, UploadFile
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.server import errors
+from app.server.limits import unless_disconnected
 from app.server.service import TranscriptionRequest, TranscriptionService
 
 router = APIRouter()
 CREATED = int(time.time())
+
+
+async def sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """Server-sent events framing: one `data:` line of JSON per event."""
+    async for event in events:
+        yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
 def _service(request: Request) -> TranscriptionService:
@@ -31,6 +40,7 @@ async def _transcription(
     temperature: float,
     granularities: list[str] | None,
     speculative: bool,
+    stream: bool = False,
 ) -> Response:
     if file is None:
         raise errors.bad_request("An audio file is required in the `file` field.", param="file")
@@ -49,8 +59,12 @@ async def _transcription(
         temperature=temperature,
         timestamp_granularities=tuple(granularities or ()),
         speculative=speculative,
+        stream=stream,
     )
-    reply = await _service(request).transcribe(req, request.state.request_id)
+    if stream:
+        events = await _service(request).transcribe_stream(req, request.state.request_id)
+        return StreamingResponse(sse(events), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    reply = await unless_disconnected(request, _service(request).transcribe(req, request.state.request_id))
     m = reply.metrics
     timing = ", ".join(f"{k};dur={m[k + '_ms']}" for k in ("queue", "encode", "decode"))
     return Response(reply.body, media_type=reply.media_type, headers={"x-timing-detail": timing})
@@ -71,6 +85,7 @@ async def transcriptions(
     temperature: Annotated[float, Form()] = 0.0,
     timestamp_granularities: Annotated[list[str] | None, Form(alias="timestamp_granularities[]")] = None,
     speculative: Annotated[bool, Form()] = True,
+    stream: Annotated[bool, Form()] = False,
 ) -> Response:
     return await _transcription(
         request,
@@ -83,6 +98,7 @@ async def transcriptions(
         temperature,
         timestamp_granularities,
         speculative,
+        stream,
     )
 
 

@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +14,7 @@ from app.audio import AudioError, AudioTooLongError, decode_audio
 from app.engine.transcriber import DecodingOptions, InvalidRequestError, Transcription
 from app.formats import FORMATS, to_srt, to_verbose_json, to_vtt
 from app.server import errors
-from app.server.batcher import Batcher, QueueFull, ShuttingDown
+from app.server.batcher import Batcher, Lane, Pending, QueueFull, ShuttingDown
 from app.server.metrics import ServerMetrics
 from app.server.protocol import Job
 from app.server.supervisor import WorkerUnavailable
@@ -37,6 +38,7 @@ class TranscriptionRequest:
     temperature: float = 0.0
     timestamp_granularities: tuple[str, ...] = ()
     speculative: bool = True
+    stream: bool = False
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,10 @@ class TranscriptionService:
         if not granularities <= {"segment", "word"}:
             raise errors.bad_request(
                 "timestamp_granularities must be 'segment' and/or 'word'", param="timestamp_granularities[]"
+            )
+        if req.stream and (granularities or req.response_format not in ("json", "text")):
+            raise errors.bad_request(
+                "stream=true streams text: use response_format json or text, without timestamps", param="stream"
             )
         if granularities and req.response_format != "verbose_json":
             raise errors.bad_request(
@@ -105,17 +111,23 @@ class TranscriptionService:
                 f"Could not decode the audio file: {exc}", param="file", code="invalid_audio"
             ) from exc
 
-    async def transcribe(self, req: TranscriptionRequest, request_id: str | None = None) -> Reply:
-        started = time.perf_counter()
-        options = self._options(req)
-        audio = await self._audio(req)
-        job = Job(request_id or uuid.uuid4().hex, audio, options)
+    def options(
+        self, model: str, task: str, language: str | None, prompt: str | None, speculative: bool = True
+    ) -> DecodingOptions:
+        """Options of a live (realtime) transcription: greedy, no timestamps."""
+        req = TranscriptionRequest(b"", None, None, model, task, language, prompt, speculative=speculative)
+        return self._options(req)
+
+    def submit(self, job: Job, lane: Lane = Lane.UPLOAD) -> Pending:
         try:
-            pending = self.batcher.submit(job)
+            return self.batcher.submit(job, lane)
         except QueueFull as exc:
-            raise errors.queue_full(retry_after=max(1, self.batcher.depth // max(1, self.settings.max_batch))) from exc
+            raise errors.queue_full(retry_after=self.batcher.retry_after()) from exc
         except (WorkerUnavailable, ShuttingDown) as exc:
             raise errors.not_ready(str(exc)) from exc
+
+    async def result(self, pending: Pending) -> tuple[Transcription, float]:
+        """Wait for a submitted job: its transcription and the time it queued (ms)."""
         try:
             result = await asyncio.wait_for(asyncio.shield(pending.future), self.settings.request_timeout_s)
         except TimeoutError as exc:
@@ -131,9 +143,66 @@ class TranscriptionService:
         if result.error is not None or result.transcription is None:
             raise errors.bad_request(result.error or "transcription failed")
         queue_ms = (pending.dispatched - pending.enqueued) * 1000 if pending.dispatched else 0.0
-        return self._reply(req, result.transcription, queue_ms, (time.perf_counter() - started) * 1000)
+        return result.transcription, queue_ms
 
-    def _reply(self, req: TranscriptionRequest, t: Transcription, queue_ms: float, total_ms: float) -> Reply:
+    async def transcribe(self, req: TranscriptionRequest, request_id: str | None = None) -> Reply:
+        started = time.perf_counter()
+        options = self._options(req)
+        audio = await self._audio(req)
+        pending = self.submit(Job(request_id or uuid.uuid4().hex, audio, options))
+        transcription, queue_ms = await self.result(pending)
+        return self._reply(req, transcription, queue_ms, (time.perf_counter() - started) * 1000)
+
+    async def transcribe_stream(
+        self, req: TranscriptionRequest, request_id: str | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Validate and queue the request now (errors raise here), then return its events:
+        `transcript.text.delta` per segment as windows complete, then `transcript.text.done`."""
+        started = time.perf_counter()
+        options = self._options(req)
+        audio = await self._audio(req)
+        pending = self.submit(Job(request_id or uuid.uuid4().hex, audio, options, stream=True))
+        return self._events(req, pending, started)
+
+    async def _events(
+        self, req: TranscriptionRequest, pending: Pending, started: float
+    ) -> AsyncIterator[dict[str, Any]]:
+        progress = pending.progress
+        assert progress is not None
+        outcome = asyncio.ensure_future(self.result(pending))
+        sent = ""
+        try:
+            while not (outcome.done() and progress.empty()):
+                if progress.empty():
+                    arrival = asyncio.ensure_future(progress.get())
+                    await asyncio.wait({arrival, outcome}, return_when=asyncio.FIRST_COMPLETED)
+                    if not arrival.done():
+                        arrival.cancel()
+                        continue
+                    segments = arrival.result()
+                else:
+                    segments = progress.get_nowait()
+                delta = "".join(s.text for s in segments)
+                delta = delta if sent else delta.lstrip()
+                if delta:
+                    sent += delta
+                    yield {"type": "transcript.text.delta", "delta": delta}
+            try:
+                transcription, queue_ms = await outcome
+            except errors.ApiError as exc:
+                yield {"type": "error", **exc.body()}
+                return
+            text, confirmed = transcription.text, sent.strip()
+            if text != confirmed and text.startswith(confirmed):
+                yield {"type": "transcript.text.delta", "delta": text[len(confirmed) :]}
+            reply = self._reply(req, transcription, queue_ms, (time.perf_counter() - started) * 1000)
+            yield {"type": "transcript.text.done", "text": text, "metrics": reply.metrics}
+        finally:
+            if not outcome.done():
+                outcome.cancel()
+
+    def request_metrics(self, t: Transcription, queue_ms: float, total_ms: float) -> dict[str, Any]:
+        """The `metrics` object of a response; also recorded in Prometheus."""
         m = t.metrics
         metrics = {
             "queue_ms": round(queue_ms, 2),
@@ -151,6 +220,10 @@ class TranscriptionService:
             "speculative": m.speculative,
         }
         self._observe(metrics)
+        return metrics
+
+    def _reply(self, req: TranscriptionRequest, t: Transcription, queue_ms: float, total_ms: float) -> Reply:
+        metrics = self.request_metrics(t, queue_ms, total_ms)
         fmt = req.response_format
         if fmt == "text":
             return Reply(t.text + "\n", "text/plain; charset=utf-8", metrics)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
-from app.server.protocol import BatchRequest, BatchResult, Job, JobResult, Ready, Stop
+from app.server.protocol import BatchRequest, BatchResult, Job, JobResult, Progress, Ready, Stop
 from app.server.worker import worker_main
 from app.settings import Settings
 
@@ -36,6 +36,7 @@ class WorkerSupervisor:
         self._proc: BaseProcess | None = None
         self._conn: Connection | None = None
         self._inflight: dict[int, asyncio.Future[BatchResult]] = {}
+        self._listeners: dict[int, Callable[[Progress], None]] = {}
         self._send_lock = asyncio.Lock()
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -92,7 +93,11 @@ class WorkerSupervisor:
             )
             if self.on_ready:
                 self.on_ready(message)
+        elif isinstance(message, Progress):
+            for listener in self._listeners.values():
+                listener(message)
         elif isinstance(message, BatchResult):
+            self._listeners.pop(message.batch_id, None)
             future = self._inflight.pop(message.batch_id, None)
             if future is not None and not future.done():
                 future.set_result(message)
@@ -104,6 +109,7 @@ class WorkerSupervisor:
         self._ready_event.clear()
         failed = list(self._inflight.values())
         self._inflight.clear()
+        self._listeners.clear()
         for future in failed:
             if not future.done():
                 future.set_exception(WorkerUnavailable("the worker process died while transcribing"))
@@ -116,19 +122,23 @@ class WorkerSupervisor:
             self._proc.join(timeout=1)
         self._spawn()
 
-    async def run(self, jobs: list[Job]) -> list[JobResult]:
+    async def run(self, jobs: list[Job], on_progress: Callable[[Progress], None] | None = None) -> list[JobResult]:
+        """Run one batch; `on_progress` receives the Progress messages of its streaming jobs."""
         if not self.is_ready or self._conn is None:
             raise WorkerUnavailable("the worker is not ready")
         loop = asyncio.get_running_loop()
         batch_id = next(self._ids)
         future: asyncio.Future[BatchResult] = loop.create_future()
         self._inflight[batch_id] = future
+        if on_progress is not None:
+            self._listeners[batch_id] = on_progress
         conn = self._conn
         try:
             async with self._send_lock:
                 await asyncio.to_thread(conn.send, BatchRequest(batch_id, jobs))
         except (OSError, ValueError) as exc:
             self._inflight.pop(batch_id, None)
+            self._listeners.pop(batch_id, None)
             raise WorkerUnavailable(f"could not reach the worker: {exc}") from exc
         result = await future
         return result.results

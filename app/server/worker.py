@@ -2,37 +2,61 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-from app.engine.transcriber import Engine, InvalidRequestError
-from app.server.protocol import BatchRequest, BatchResult, JobResult, Ready, Stop
+from app.engine.adaptive import ModePolicy
+from app.engine.transcriber import Engine, InvalidRequestError, Segment
+from app.server.protocol import BatchRequest, BatchResult, Job, JobResult, Progress, Ready, Stop
 from app.settings import Settings
 
 log = logging.getLogger("specwhisper.worker")
 
 
-def _run_batch(engine: Engine, batch: BatchRequest) -> BatchResult:
-    valid, results = [], {}
-    for job in batch.jobs:
+class BatchRunner:
+    """Runs one batch at a time: validation, the speculative/plain choice, streaming progress, error isolation."""
+
+    def __init__(self, engine: Engine, policy: ModePolicy, send: Callable[[object], None]) -> None:
+        self.engine = engine
+        self.policy = policy
+        self.send = send
+
+    def run(self, batch: BatchRequest) -> BatchResult:
+        valid: list[Job] = []
+        results: dict[str, JobResult] = {}
+        for job in batch.jobs:
+            try:
+                self.engine.check(job.options)
+                valid.append(job)
+            except InvalidRequestError as exc:
+                results[job.request_id] = JobResult(job.request_id, error=str(exc))
+        if valid:
+            results.update(self._transcribe(valid, batch.batch_id))
+        return BatchResult(batch.batch_id, [results[j.request_id] for j in batch.jobs])
+
+    def _transcribe(self, jobs: list[Job], batch_id: int) -> dict[str, JobResult]:
+        eligible = self.engine.drafter is not None and any(j.options.use_assistant for j in jobs)
+        mode = self.policy.choose(len(jobs)) if eligible else "plain"
+        options = [j.options if mode == "speculative" else dataclasses.replace(j.options, use_assistant=False)
+                   for j in jobs]  # fmt: skip
+
+        def progress(i: int, segments: list[Segment]) -> None:
+            if jobs[i].stream:
+                self.send(Progress(jobs[i].request_id, segments))
+
         try:
-            engine.check(job.options)
-            valid.append(job)
-        except InvalidRequestError as exc:
-            results[job.request_id] = JobResult(job.request_id, error=str(exc))
-    if valid:
-        try:
-            out = engine.transcribe([j.audio for j in valid], [j.options for j in valid])
+            out = self.engine.transcribe([j.audio for j in jobs], options, on_segments=progress)
         except Exception as exc:  # a bug must fail its batch, not the worker
-            log.exception("batch %s failed", batch.batch_id)
-            for job in valid:
-                results[job.request_id] = JobResult(job.request_id, error=f"internal error: {exc}", internal=True)
-        else:
-            for job, transcription in zip(valid, out, strict=True):
-                results[job.request_id] = JobResult(job.request_id, transcription=transcription)
-    return BatchResult(batch.batch_id, [results[j.request_id] for j in batch.jobs])
+            log.exception("batch %s failed", batch_id)
+            return {j.request_id: JobResult(j.request_id, error=f"internal error: {exc}", internal=True) for j in jobs}
+        if eligible:
+            decode_s = max(t.metrics.decode_ms for t in out) / 1000  # the batch's rows share the decode time
+            self.policy.observe(mode, len(jobs), decode_s, sum(t.metrics.tokens for t in out))
+        return {j.request_id: JobResult(j.request_id, transcription=t) for j, t in zip(jobs, out, strict=True)}
 
 
 def worker_main(settings: Settings, conn: Connection) -> None:
@@ -44,6 +68,7 @@ def worker_main(settings: Settings, conn: Connection) -> None:
     started = time.perf_counter()
     engine = build_engine(settings, progress=False)
     drafter = engine.drafter.name if engine.drafter else None
+    runner = BatchRunner(engine, ModePolicy(settings.speculation), conn.send)
     conn.send(Ready(engine.main.name, drafter, time.perf_counter() - started))
     while True:
         try:
@@ -53,4 +78,4 @@ def worker_main(settings: Settings, conn: Connection) -> None:
         if isinstance(message, Stop):
             return
         if isinstance(message, BatchRequest):
-            conn.send(_run_batch(engine, message))
+            conn.send(runner.run(message))

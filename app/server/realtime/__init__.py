@@ -1,0 +1,1 @@
+"""Live transcription over WebSocket: the transcription subset of OpenAI's Realtime API."""

@@ -1,0 +1,190 @@
+"""Speculation modes under load, through the real server: throughput and latency at each concurrency.
+
+For each mode (`adaptive`, `always`, `never`) a server is started with that `speculation` setting;
+for each concurrency c, c clients keep uploads in flight (clips of the manifest, round robin) until
+`requests_per_client * c` answers are in. The servers run side by side and the modes take turns,
+`rounds` times per level; each level reports the round with the median throughput. Every answer's
+text is checked against the first answer for the same clip (all modes decode greedily: the texts
+must be identical).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+MODES = ("adaptive", "always", "never")
+
+
+@dataclass(frozen=True)
+class Clip:
+    id: str
+    data: bytes
+    duration: float
+
+
+def load_clips(manifest: Path, languages: Sequence[str] | None, limit: int) -> list[Clip]:
+    clips = []
+    for line in manifest.read_text().splitlines():
+        row = json.loads(line)
+        if languages and row["language"] not in languages:
+            continue
+        if row["duration_s"] > 30:  # one window each: the comparison is about decoding under load
+            continue
+        clips.append(Clip(row["id"], (manifest.parent / row["audio"]).read_bytes(), float(row["duration_s"])))
+        if len(clips) >= limit:
+            break
+    if not clips:
+        raise ValueError("no clips selected")
+    return clips
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """`python -m app serve` in a child process, with extra settings in its environment."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        full = {**os.environ, **env}
+        cmd = [sys.executable, "-m", "app", "serve", "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, env=full, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("the server exited during start-up")
+            try:
+                if httpx.get(f"{self.url}/health/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError("the server did not become ready")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+async def _level(url: str, clips: list[Clip], concurrency: int, total: int) -> dict[str, Any]:
+    """`total` uploads with `concurrency` in flight; latencies, throughput, texts and modes used."""
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(total):
+        queue.put_nowait(i)
+    latencies: list[float] = []
+    texts: dict[str, str] = {}
+    speculative = 0
+    async with httpx.AsyncClient(timeout=600) as client:
+
+        async def worker() -> None:
+            nonlocal speculative
+            while not queue.empty():
+                clip = clips[queue.get_nowait() % len(clips)]
+                started = time.perf_counter()
+                r = await client.post(
+                    f"{url}/v1/audio/transcriptions",
+                    data={"model": "whisper-1", "language": "en"},
+                    files={"file": ("clip.wav", clip.data)},
+                )
+                r.raise_for_status()
+                latencies.append(time.perf_counter() - started)
+                body = r.json()
+                texts[clip.id] = body["text"]
+                speculative += bool(body["metrics"]["speculative"])
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - started
+    audio = sum(clips[i % len(clips)].duration for i in range(total))
+    return {
+        "concurrency": concurrency,
+        "requests": total,
+        "wall_s": round(wall, 3),
+        "throughput_audio_s_per_s": round(audio / wall, 3),
+        "p50_latency_s": round(statistics.median(latencies), 3),
+        "p90_latency_s": round(statistics.quantiles(latencies, n=10)[-1], 3) if len(latencies) > 1 else None,
+        "speculative_fraction": round(speculative / total, 3),
+        "texts": texts,
+    }
+
+
+def _median(levels: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round with the median throughput (its own latencies and mode fractions kept together)."""
+    ranked = sorted(levels, key=lambda level: level["throughput_audio_s_per_s"])
+    return {**ranked[len(ranked) // 2], "rounds": len(levels)}
+
+
+def run_server_bench(
+    manifest: Path,
+    concurrency: Sequence[int],
+    modes: Sequence[str] = MODES,
+    languages: Sequence[str] | None = ("en",),
+    limit: int = 8,
+    requests_per_client: int = 2,
+    rounds: int = 3,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """The report: per mode and concurrency, throughput and latency; ratios of adaptive to the best fixed mode."""
+    clips = load_clips(manifest, languages, limit)
+    report: dict[str, Any] = {"clips": len(clips), "modes": {m: [] for m in modes}, "identical_texts": True}
+    reference: dict[str, str] = {}
+    # All servers run side by side and the modes take turns at each level, so that a change in the
+    # machine's load hits every mode alike.
+    servers = {
+        m: Server({**(env or {}), "SPECWHISPER_SPECULATION": m, "SPECWHISPER_BATCH_WINDOW_MS": "20"}) for m in modes
+    }
+    try:
+        for server in servers.values():
+            server.wait_ready()
+            asyncio.run(_level(server.url, clips[:2], 1, 2))  # warm-up
+        for c in concurrency:
+            runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+            for _ in range(rounds):
+                for mode, server in servers.items():
+                    level = asyncio.run(_level(server.url, clips, c, max(len(clips), requests_per_client * c)))
+                    for clip_id, text in level.pop("texts").items():
+                        if reference.setdefault(clip_id, text) != text:
+                            report["identical_texts"] = False
+                    runs[mode].append(level)
+            for mode, levels in runs.items():
+                report["modes"][mode].append(_median(levels))
+    finally:
+        for server in servers.values():
+            server.stop()
+    if {"adaptive", "always", "never"} <= set(modes):
+        ratios = []
+        for a, s, p in zip(
+            report["modes"]["adaptive"], report["modes"]["always"], report["modes"]["never"], strict=True
+        ):
+            best = max(s["throughput_audio_s_per_s"], p["throughput_audio_s_per_s"])
+            ratios.append(
+                {
+                    "concurrency": a["concurrency"],
+                    "adaptive_vs_best_fixed": round(a["throughput_audio_s_per_s"] / best, 3),
+                    "speculative_vs_plain": round(s["throughput_audio_s_per_s"] / p["throughput_audio_s_per_s"], 3),
+                }
+            )
+        report["ratios"] = ratios
+    return report

@@ -1,0 +1,314 @@
+"""Streaming against the real server: SSE through the `openai` SDK, live audio over the Realtime WebSocket."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+import soxr
+from openai import OpenAI
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import ClientConnection, connect
+
+from app.audio import decode_audio
+from tests.server import ServerProcess
+
+CLIP = "audio/ljspeech/LJ001-0001.wav"
+LONG_CLIP = "audio/fleurs/fleurs-de-009.wav"  # 43 s: two windows
+CHUNK_S = 0.1
+SPEEDUP = 3.0  # stream audio three times faster than real time
+
+
+@pytest.fixture(scope="module")
+def server(live_server: ServerProcess) -> ServerProcess:
+    return live_server
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> OpenAI:
+    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def speech(benchdata: Path) -> np.ndarray:
+    """The clip at 16 kHz, quantized to pcm16 exactly as a live client sends it."""
+    audio = decode_audio((benchdata / CLIP).read_bytes(), 600)
+    return (np.clip(audio, -1, 32767 / 32768) * 32768).astype(np.int16)
+
+
+def wav(pcm: np.ndarray, rate: int = 16000) -> bytes:
+    out = io.BytesIO()
+    sf.write(out, pcm, rate, format="WAV", subtype="PCM_16")
+    return out.getvalue()
+
+
+def words(text: str) -> list[str]:
+    return re.sub(r"[^\w\s']", " ", text.lower()).split()
+
+
+# -- server-sent events ---------------------------------------------------------------------------------
+def test_sse_streams_deltas_then_done_through_the_openai_client(client: OpenAI, benchdata: Path) -> None:
+    data = (benchdata / LONG_CLIP).read_bytes()
+    plain = client.audio.transcriptions.create(model="whisper-1", file=("de.wav", data), language="de")
+    stream = client.audio.transcriptions.create(model="whisper-1", file=("de.wav", data), language="de", stream=True)
+    events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds[-1] == "transcript.text.done" and set(kinds[:-1]) == {"transcript.text.delta"}
+    assert len(kinds) >= 3, "a two-window clip streams at least one delta per window"
+    deltas = "".join(e.delta for e in events[:-1])  # type: ignore[union-attr]
+    done = events[-1]
+    assert done.text == plain.text == deltas  # type: ignore[union-attr]
+    metrics = done.model_extra["metrics"]  # type: ignore[index]
+    assert metrics["tokens"] > 0 and metrics["speculative"] is True
+
+
+def test_sse_is_incremental_and_errors_before_streaming_are_json(server: ServerProcess, benchdata: Path) -> None:
+    data = (benchdata / LONG_CLIP).read_bytes()
+    form = {"model": "whisper-1", "stream": "true", "language": "de"}
+    arrivals = []
+    with httpx.stream("POST", f"{server.url}/v1/audio/transcriptions", data=form, files={"file": ("de.wav", data)},
+                      timeout=300) as r:  # fmt: skip
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                arrivals.append((time.perf_counter(), json.loads(line[6:])["type"]))
+    first_delta = next(t for t, kind in arrivals if kind == "transcript.text.delta")
+    assert arrivals[-1][1] == "transcript.text.done"
+    assert arrivals[-1][0] - first_delta > 0.2, "the first window's text arrives before the second window is done"
+    bad = httpx.post(
+        f"{server.url}/v1/audio/transcriptions",
+        data={**form, "response_format": "srt"},
+        files={"file": ("de.wav", data)},
+        timeout=60,
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream"
+    garbage = httpx.post(
+        f"{server.url}/v1/audio/transcriptions", data=form, files={"file": ("x.wav", b"not audio")}, timeout=60
+    )
+    assert garbage.status_code == 400 and garbage.json()["error"]["code"] == "invalid_audio"
+
+
+# -- realtime WebSocket ---------------------------------------------------------------------------------
+class Live:
+    """A scripted Realtime client: sends events, collects every server event on a reader thread."""
+
+    def __init__(self, ws: ClientConnection) -> None:
+        self.ws = ws
+        self.events: list[dict[str, Any]] = []
+        self.closed = threading.Event()
+        self._cv = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for message in self.ws:
+                with self._cv:
+                    self.events.append(json.loads(message))
+                    self._cv.notify_all()
+        except ConnectionClosed:
+            pass
+        finally:
+            self.closed.set()
+            with self._cv:
+                self._cv.notify_all()
+
+    def send(self, event: dict[str, Any]) -> None:
+        self.ws.send(json.dumps(event))
+
+    def stream(self, pcm: np.ndarray, rate: int, speedup: float = SPEEDUP) -> None:
+        """Append `pcm` in 100-ms chunks, `speedup` times faster than real time; stops if the server hangs up."""
+        step = int(rate * CHUNK_S)
+        for i in range(0, pcm.size, step):
+            chunk = pcm[i : i + step].astype("<i2").tobytes()
+            try:
+                self.send({"type": "input_audio_buffer.append", "audio": base64.b64encode(chunk).decode()})
+            except ConnectionClosed:
+                return
+            time.sleep(CHUNK_S / speedup)
+
+    def wait_for(self, kind: str, count: int = 1, timeout: float = 120) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while len(found := [e for e in self.events if e["type"] == kind]) < count:
+                remaining = deadline - time.monotonic()
+                assert remaining > 0 and not self.closed.is_set(), f"no {count} x {kind}; got {self.kinds()}"
+                self._cv.wait(remaining)
+        return found
+
+    def kinds(self) -> list[str]:
+        return [e["type"] for e in self.events]
+
+    def of_type(self, kind: str) -> list[dict[str, Any]]:
+        with self._cv:
+            return [e for e in self.events if e["type"] == kind]
+
+
+OPEN: list[Live] = []
+
+
+def live(server: ServerProcess, **kwargs: Any) -> Live:
+    url = server.url.replace("http://", "ws://") + "/v1/realtime?intent=transcription"
+    session = Live(connect(url, max_size=None, **kwargs).__enter__())
+    OPEN.append(session)
+    return session
+
+
+@pytest.fixture(autouse=True)
+def _close_sessions() -> Iterator[None]:
+    """A failing test must not leave its sessions open for the next one."""
+    yield
+    while OPEN:
+        OPEN.pop().ws.close()
+
+
+def test_realtime_commit_matches_upload_and_partials_grow(server: ServerProcess, client: OpenAI,
+                                                          speech: np.ndarray) -> None:  # fmt: skip
+    session = live(server)
+    try:
+        created = session.wait_for("transcription_session.created")[0]
+        assert created["session"]["input_audio_format"] == "pcm16"
+        update = {"input_audio_sample_rate": 16000, "turn_detection": None}
+        session.send({"type": "transcription_session.update", "session": {**update, "input_audio_transcription": {
+            "model": "whisper-1", "language": "en"}}})  # fmt: skip
+        updated = session.wait_for("transcription_session.updated")[0]["session"]
+        assert updated["turn_detection"] is None and updated["input_audio_sample_rate"] == 16000
+        session.stream(speech, 16000, speedup=1.0)  # real time: a partial every 0.5 s of new audio
+        # Keep the utterance open with silence (in real time) until its text has grown; a busy machine is slow.
+        sent = [speech]
+        silence = np.zeros(1600, dtype=np.int16)
+        deadline = time.monotonic() + 60
+        while not session.of_type("conversation.item.input_audio_transcription.delta"):
+            assert time.monotonic() < deadline, "no partial text while the utterance was open"
+            session.stream(silence, 16000, speedup=1.0)
+            sent.append(silence)
+        session.send({"type": "input_audio_buffer.commit"})
+        completed = session.wait_for("conversation.item.input_audio_transcription.completed")[0]
+    finally:
+        session.ws.close()
+    upload = client.audio.transcriptions.create(
+        model="whisper-1", file=("clip.wav", wav(np.concatenate(sent))), language="en"
+    )
+    assert completed["transcript"] == upload.text
+    kinds = session.kinds()
+    committed_at = kinds.index("input_audio_buffer.committed")
+    assert committed_at < kinds.index("conversation.item.input_audio_transcription.completed")
+    partial = "".join(e["delta"] for e in session.events[:committed_at] if e["type"].endswith("transcription.delta"))
+    assert words(completed["transcript"])[: len(words(partial))] == words(partial)
+    deltas = session.of_type("conversation.item.input_audio_transcription.delta")
+    assert {d["item_id"] for d in deltas} == {completed["item_id"]}
+    assert "".join(d["delta"] for d in deltas).strip() == completed["transcript"]
+    metrics = completed["metrics"]
+    assert metrics["latency_ms"] > 0 and metrics["tokens"] > 0 and completed["usage"]["seconds"] > 9
+
+
+def test_realtime_server_vad_at_24khz(server: ServerProcess, client: OpenAI, speech: np.ndarray) -> None:
+    silence = np.zeros(16000, dtype=np.int16)
+    pcm16k = np.concatenate([silence, speech, silence, speech[: 16000 * 4], silence, silence])
+    pcm24k = (soxr.resample(pcm16k.astype(np.float32), 16000, 24000)).round().clip(-32768, 32767).astype(np.int16)
+    session = live(server)
+    session.send(
+        {
+            "type": "session.update",
+            "session": {
+                "type": "transcription",
+                "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000},
+                                    "transcription": {"model": "whisper-1", "language": "en"},
+                                    "turn_detection": {"type": "server_vad", "silence_duration_ms": 500}}},
+            },
+        }
+    )  # fmt: skip
+    assert session.wait_for("session.updated")[0]["session"]["audio"]["input"]["format"]["rate"] == 24000
+    session.stream(pcm24k, 24000)
+    completed = session.wait_for("conversation.item.input_audio_transcription.completed", count=2)
+    started = session.wait_for("input_audio_buffer.speech_started", count=2)
+    stopped = session.wait_for("input_audio_buffer.speech_stopped", count=2)
+    assert [e["item_id"] for e in started] == [e["item_id"] for e in stopped] == [e["item_id"] for e in completed]
+    assert 700 <= started[0]["audio_start_ms"] <= 1300 and stopped[0]["audio_end_ms"] > 10_000
+    reference = words(client.audio.transcriptions.create(model="whisper-1", file=("c.wav", wav(speech))).text)
+    first = words(completed[0]["transcript"])
+    assert len(set(first) & set(reference)) >= 0.9 * len(set(reference))
+    assert words(completed[1]["transcript"])[:3] == reference[:3]
+    committed = session.wait_for("input_audio_buffer.committed", count=2)
+    assert committed[1]["previous_item_id"] == committed[0]["item_id"]
+    session.ws.close()
+
+
+def test_realtime_bad_events_get_errors_and_others_keep_working(server: ServerProcess, speech: np.ndarray) -> None:
+    bad = live(server)
+    bad.wait_for("transcription_session.created")
+    bad.ws.send("{not json")
+    bad.send({"type": "no.such.event", "event_id": "evt_1"})
+    bad.send({"type": "input_audio_buffer.append", "audio": "%%%not base64%%%"})
+    bad.ws.send(b"\x00\x01binary")
+    bad.send({"type": "input_audio_buffer.commit"})
+    bad.send({"type": "transcription_session.update", "session": {"input_audio_format": "g729"}})
+    bad.send({"type": "transcription_session.update", "session": {"input_audio_transcription": {"model": "nope"}}})
+    errors = bad.wait_for("error", count=7)
+    codes = [e["error"]["code"] for e in errors]
+    assert codes == ["invalid_json", "invalid_event", "invalid_base64", "invalid_event",
+                     "input_audio_buffer_commit_empty", "invalid_value", "model_not_found"]  # fmt: skip
+    assert errors[1]["error"]["event_id"] == "evt_1"
+    good = live(server)  # a second session works while the first misbehaves
+    good.send({"type": "transcription_session.update", "session": {"input_audio_sample_rate": 16000,
+                                                                  "turn_detection": None}})  # fmt: skip
+    bad.ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": "A" * 300_000}))  # over the event limit
+    assert bad.wait_for("error", count=8)[-1]["error"]["code"] == "event_too_large"
+    assert bad.closed.wait(10) and bad.ws.close_code == 1009
+    good.stream(speech[: 16000 * 3], 16000, speedup=10)
+    good.send({"type": "input_audio_buffer.commit"})
+    done = good.wait_for("conversation.item.input_audio_transcription.completed")[0]
+    assert words(done["transcript"])[:1] == ["printing"]
+    good.ws.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if _gauge(server, "specwhisper_realtime_sessions") == 0:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("closed sessions are not released")
+    text = httpx.get(f"{server.url}/metrics").text
+    latency = re.search(r"^specwhisper_realtime_utterance_latency_seconds_count (\S+)$", text, re.M)
+    assert latency and float(latency.group(1)) >= 1
+
+
+def _gauge(server: ServerProcess, name: str) -> float:
+    found = re.search(rf"^{name} (\S+)$", httpx.get(f"{server.url}/metrics").text, re.M)
+    assert found, name
+    return float(found.group(1))
+
+
+@pytest.fixture(scope="module")
+def strict_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("streaming-strict") / "server.log"
+    env = {"SPECWHISPER_API_KEYS": '["sk-live"]', "SPECWHISPER_REALTIME_MAX_BACKLOG_S": "5"}
+    srv = ServerProcess(env, log=log).start()
+    yield srv
+    srv.stop()
+
+
+def test_realtime_auth_and_backlog_limit(strict_server: ServerProcess, speech: np.ndarray) -> None:
+    anonymous = live(strict_server)
+    assert anonymous.wait_for("error")[0]["error"]["code"] == "invalid_api_key"
+    assert anonymous.closed.wait(10) and anonymous.ws.close_code == 1008
+    by_header = live(strict_server, additional_headers={"Authorization": "Bearer sk-live"})
+    by_header.wait_for("transcription_session.created")
+    by_header.ws.close()
+    browser = live(strict_server, subprotocols=["realtime", "openai-insecure-api-key.sk-live"])  # type: ignore[list-item]
+    browser.wait_for("transcription_session.created")
+    assert browser.ws.subprotocol == "realtime"
+    browser.send({"type": "transcription_session.update", "session": {"input_audio_sample_rate": 16000,
+                                                                     "turn_detection": None}})  # fmt: skip
+    browser.stream(speech[: 16000 * 8], 16000, speedup=100)  # 8 s at once: over the 5-s backlog
+    assert browser.wait_for("error")[0]["error"]["code"] == "input_audio_buffer_overflow"
+    assert browser.closed.wait(10) and browser.ws.close_code == 1008
