@@ -10,4 +10,5 @@ scripts/setup.sh dev,compare
 ruff check app tests
 ruff format --check app tests
 mypy
+bash scripts/audit.sh
 python -m pytest -q -p no:cacheprovider "$@"

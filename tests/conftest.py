@@ -77,9 +77,14 @@ def save_checkpoint(hf_model, like: Path, into: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """One real server for the streaming and browser tests: live partials every 0.5 s of audio."""
+    """One real server for the streaming and browser tests: live partials every 0.5 s of audio, and always
+    speculative (the tests show speculative metrics; tests/test_adaptive.py covers the adaptive mode)."""
     log = tmp_path_factory.mktemp("live-server") / "server.log"
-    env = {"SPECWHISPER_REALTIME_PARTIAL_INTERVAL_S": "0.5", "SPECWHISPER_REALTIME_MAX_EVENT_BYTES": "200000"}
+    env = {
+        "SPECWHISPER_REALTIME_PARTIAL_INTERVAL_S": "0.5",
+        "SPECWHISPER_REALTIME_MAX_EVENT_BYTES": "200000",
+        "SPECWHISPER_SPECULATION": "always",
+    }
     srv = ServerProcess(env, log=log).start()
     yield srv
     srv.stop()

@@ -25,7 +25,9 @@ GRACEFUL = (0, -signal.SIGTERM)
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("server") / "server.log"
-    srv = ServerProcess({"SPECWHISPER_BATCH_WINDOW_MS": "300"}, log=log).start()
+    # Speculation always: these tests check the speculative metrics (tests/test_adaptive.py covers adaptive).
+    env = {"SPECWHISPER_BATCH_WINDOW_MS": "300", "SPECWHISPER_SPECULATION": "always"}
+    srv = ServerProcess(env, log=log).start()
     yield srv
     assert srv.stop() in GRACEFUL
 

@@ -32,14 +32,18 @@ class _Estimate:
 class ModePolicy:
     """Per-batch-size cost estimates of both modes, and the choice they imply.
 
-    warmup: batches of each mode measured at a batch size before the estimates are trusted.
-    explore_every: once trusted, every n-th batch at that size runs the mode that lost.
+    warmup: batches of each mode measured at a batch size before its estimates are trusted. A batch
+        size seen for the first time borrows the verdict of the nearest measured size, then measures
+        the mode it did not run, so learning a new size costs at most one batch in the slower mode.
+    explore_every: once trusted, every n-th batch at a size runs the mode that lost (every 4n-th when
+        it lost by more than `clear_margin`), so the estimates follow content and load.
     weight: EWMA weight of a new measurement.
     """
 
     speculation: Speculation = "adaptive"
-    warmup: int = 2
+    warmup: int = 1
     explore_every: int = 10
+    clear_margin: float = 1.25
     weight: float = 0.3
     _estimates: dict[tuple[Mode, int], _Estimate] = field(default_factory=dict)
     _batches: dict[int, int] = field(default_factory=dict)
@@ -47,11 +51,21 @@ class ModePolicy:
     def __post_init__(self) -> None:
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation must be one of {SPECULATION_MODES}, not {self.speculation!r}")
-        if self.warmup < 1 or self.explore_every < 2 or not 0 < self.weight <= 1:
-            raise ValueError("need warmup >= 1, explore_every >= 2 and 0 < weight <= 1")
+        if self.warmup < 1 or self.explore_every < 2 or not 0 < self.weight <= 1 or self.clear_margin < 1:
+            raise ValueError("need warmup >= 1, explore_every >= 2, 0 < weight <= 1 and clear_margin >= 1")
 
     def estimate(self, mode: Mode, batch: int) -> _Estimate:
         return self._estimates.setdefault((mode, batch), _Estimate())
+
+    def _trusted(self, batch: int) -> bool:
+        return min(self.estimate("speculative", batch).samples, self.estimate("plain", batch).samples) >= self.warmup
+
+    def _verdict(self, batch: int) -> tuple[Mode, float]:
+        """The cheaper mode at `batch` and how many times cheaper it is."""
+        spec, plain = self.estimate("speculative", batch).cost, self.estimate("plain", batch).cost
+        if spec <= plain:
+            return "speculative", plain / max(spec, 1e-12)
+        return "plain", spec / max(plain, 1e-12)
 
     def choose(self, batch: int) -> Mode:
         """The mode for the next batch of `batch` speculative-eligible requests."""
@@ -62,11 +76,14 @@ class ModePolicy:
         n = self._batches.get(batch, 0)
         self._batches[batch] = n + 1
         spec, plain = self.estimate("speculative", batch), self.estimate("plain", batch)
-        if spec.samples < self.warmup or plain.samples < self.warmup:
-            # Measure both: the less measured mode goes next, speculation first.
-            return "speculative" if spec.samples <= plain.samples else "plain"
-        best: Mode = "speculative" if spec.cost <= plain.cost else "plain"
-        if n % self.explore_every == self.explore_every - 1:
+        if not self._trusted(batch):
+            if spec.samples or plain.samples:  # measure the mode not yet run at this size
+                return "speculative" if spec.samples < self.warmup else "plain"
+            known = sorted((abs(b - batch), b) for (_, b) in self._estimates if b != batch and self._trusted(b))
+            return self._verdict(known[0][1])[0] if known else "speculative"
+        best, margin = self._verdict(batch)
+        period = self.explore_every * (4 if margin > self.clear_margin else 1)
+        if n % period == period - 1:
             return "plain" if best == "speculative" else "speculative"
         return best
 
