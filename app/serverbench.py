@@ -1,7 +1,8 @@
 """Speculation modes under load, through the real server: throughput and latency at each concurrency.
 
 For each mode (`adaptive`, `always`, `never`) a server is started with that `speculation` setting;
-for each concurrency c, c clients keep uploads in flight (clips of the manifest, round robin) until
+for each concurrency c, c clients keep uploads in flight (the `limit` shortest English clips of the
+manifest up to 30 s, round robin) until
 `requests_per_client * c` answers are in. The servers run side by side and the modes take turns,
 `rounds` times per level; each level reports the round with the median throughput. Every answer's
 text is checked against the first answer for the same clip (all modes decode greedily: the texts
@@ -11,81 +12,18 @@ must be identical).
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from app.loadtest import Clip, load_clips
+from app.server.process import ServerProcess
+
 MODES = ("adaptive", "always", "never")
-
-
-@dataclass(frozen=True)
-class Clip:
-    id: str
-    data: bytes
-    duration: float
-
-
-def load_clips(manifest: Path, languages: Sequence[str] | None, limit: int) -> list[Clip]:
-    clips = []
-    for line in manifest.read_text().splitlines():
-        row = json.loads(line)
-        if languages and row["language"] not in languages:
-            continue
-        if row["duration_s"] > 30:  # one window each: the comparison is about decoding under load
-            continue
-        clips.append(Clip(row["id"], (manifest.parent / row["audio"]).read_bytes(), float(row["duration_s"])))
-        if len(clips) >= limit:
-            break
-    if not clips:
-        raise ValueError("no clips selected")
-    return clips
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    """`python -m app serve` in a child process, with extra settings in its environment."""
-
-    def __init__(self, env: dict[str, str]) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        full = {**os.environ, **env}
-        cmd = [sys.executable, "-m", "app", "serve", "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, env=full, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def wait_ready(self, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("the server exited during start-up")
-            try:
-                if httpx.get(f"{self.url}/health/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError("the server did not become ready")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 async def _level(url: str, clips: list[Clip], concurrency: int, total: int) -> dict[str, Any]:
@@ -111,13 +49,13 @@ async def _level(url: str, clips: list[Clip], concurrency: int, total: int) -> d
                 r.raise_for_status()
                 latencies.append(time.perf_counter() - started)
                 body = r.json()
-                texts[clip.id] = body["text"]
+                texts[clip.name] = body["text"]
                 speculative += bool(body["metrics"]["speculative"])
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - started
-    audio = sum(clips[i % len(clips)].duration for i in range(total))
+    audio = sum(clips[i % len(clips)].seconds for i in range(total))
     return {
         "concurrency": concurrency,
         "requests": total,
@@ -140,21 +78,19 @@ def run_server_bench(
     manifest: Path,
     concurrency: Sequence[int],
     modes: Sequence[str] = MODES,
-    languages: Sequence[str] | None = ("en",),
     limit: int = 8,
     requests_per_client: int = 2,
     rounds: int = 3,
     env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The report: per mode and concurrency, throughput and latency; ratios of adaptive to the best fixed mode."""
-    clips = load_clips(manifest, languages, limit)
+    clips = load_clips(manifest, limit, max_seconds=30.0)
     report: dict[str, Any] = {"clips": len(clips), "modes": {m: [] for m in modes}, "identical_texts": True}
     reference: dict[str, str] = {}
     # All servers run side by side and the modes take turns at each level, so that a change in the
     # machine's load hits every mode alike.
-    servers = {
-        m: Server({**(env or {}), "SPECWHISPER_SPECULATION": m, "SPECWHISPER_BATCH_WINDOW_MS": "20"}) for m in modes
-    }
+    settings = {"SPECWHISPER_BATCH_WINDOW_MS": "20", **(env or {})}
+    servers = {m: ServerProcess({**settings, "SPECWHISPER_SPECULATION": m}).launch() for m in modes}
     try:
         for server in servers.values():
             server.wait_ready()

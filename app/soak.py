@@ -17,9 +17,6 @@ import io
 import json
 import os
 import re
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -31,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from app.loadtest import Clip, default_manifest, load_clips
+from app.server.process import ServerProcess
 
 RSS_GROWTH_LIMIT = 0.05
 FD_SLACK = 2  # a connection closing while we sample is not a leak; a leak grows with traffic
@@ -63,12 +61,6 @@ def shm_entries() -> int:
         return len(os.listdir("/dev/shm"))
     except OSError:
         return -1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -268,27 +260,15 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
     url, server_pid = args.url, args.server_pid
-    server: subprocess.Popen[bytes] | None = None
+    server: ServerProcess | None = None
     log_path = args.log or Path(tempfile.mkdtemp(prefix="specwhisper-soak-")) / "server.log"
     if url is None:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        log = open(log_path, "wb")  # noqa: SIM115 - handed to the child
-        server = subprocess.Popen([sys.executable, "-m", "app", "serve", "--port", str(port)], stdout=log, stderr=log)
-        server_pid = server.pid
+        server = ServerProcess(log=log_path).launch()
+        url, server_pid = server.url, server.proc.pid if server.proc else None
     url = url.rstrip("/")
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if server is not None and server.poll() is not None:
-                raise SystemExit(f"the server exited during start-up; see {log_path}")
-            with contextlib.suppress(httpx.HTTPError):
-                r = httpx.get(f"{url}/health/ready", timeout=2)
-                if r.status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise SystemExit("the server did not become ready")
-            await asyncio.sleep(0.5)
+        if server is not None:
+            await asyncio.to_thread(server.wait_ready, 300)
         clips = load_clips(args.manifest or default_manifest(), args.clips, max_seconds=12.0)
         runner = Soak(url, clips, args.uploads, args.live, args.speedup)
         await runner.prepare()
@@ -327,12 +307,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         }
     finally:
         if server is not None:
-            server.terminate()
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+            server.stop()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

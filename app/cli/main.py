@@ -73,7 +73,6 @@ def _bench_server(args: argparse.Namespace) -> int:
         args.manifest,
         [int(c) for c in args.concurrency.split(",")],
         modes=args.modes.split(","),
-        languages=args.languages.split(",") if args.languages else None,
         limit=args.limit or 8,
     )
     print(json.dumps(report, indent=2))

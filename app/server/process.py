@@ -1,0 +1,68 @@
+"""`python -m app serve` as a child process on a free loopback port: for benchmarks, the soak and tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """A server child process; `env` adds settings (SPECWHISPER_*), `log` receives its output."""
+
+    def __init__(self, env: dict[str, str] | None = None, log: Path | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {**os.environ, **(env or {})}
+        self.log_path = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def launch(self) -> ServerProcess:
+        """Start the process without waiting for it (several servers can load their models at once)."""
+        out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - the child's
+        cmd = [sys.executable, "-m", "app", "serve", "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=out)
+        return self
+
+    def start(self, timeout: float = 300) -> ServerProcess:
+        self.launch()
+        self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        """Until /health/ready answers 200; raises if the process exits or the time runs out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited during start-up (log: {self.log_path})")
+            try:
+                if httpx.get(f"{self.url}/health/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError("the server did not become ready")
+
+    def stop(self, timeout: float = 60) -> int:
+        """SIGTERM (a graceful drain), SIGKILL after `timeout`; returns the exit status."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return int(self.proc.returncode)
