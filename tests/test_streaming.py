@@ -187,9 +187,9 @@ def test_realtime_commit_matches_upload_and_partials_grow(server: ServerProcess,
         # Keep the utterance open with silence (in real time) until its text has grown; a busy machine is slow.
         sent = [speech]
         silence = np.zeros(1600, dtype=np.int16)
-        deadline = time.monotonic() + 60
         while not session.of_type("conversation.item.input_audio_transcription.delta"):
-            assert time.monotonic() < deadline, "no partial text while the utterance was open"
+            # Stay within one 30-s utterance (and one window for the upload it is compared with).
+            assert sum(a.size for a in sent) < 16000 * 28, "no partial text while the utterance was open"
             session.stream(silence, 16000, speedup=1.0)
             sent.append(silence)
         session.send({"type": "input_audio_buffer.commit"})
@@ -207,7 +207,8 @@ def test_realtime_commit_matches_upload_and_partials_grow(server: ServerProcess,
     assert words(completed["transcript"])[: len(words(partial))] == words(partial)
     deltas = session.of_type("conversation.item.input_audio_transcription.delta")
     assert {d["item_id"] for d in deltas} == {completed["item_id"]}
-    assert "".join(d["delta"] for d in deltas).strip() == completed["transcript"]
+    # Deltas spell the final transcript's words (a partial may have had other punctuation or case).
+    assert words("".join(d["delta"] for d in deltas)) == words(completed["transcript"])
     metrics = completed["metrics"]
     assert metrics["latency_ms"] > 0 and metrics["tokens"] > 0 and completed["usage"]["seconds"] > 9
 
@@ -254,16 +255,25 @@ def test_realtime_bad_events_get_errors_and_others_keep_working(server: ServerPr
     bad.send({"type": "input_audio_buffer.commit"})
     bad.send({"type": "transcription_session.update", "session": {"input_audio_format": "g729"}})
     bad.send({"type": "transcription_session.update", "session": {"input_audio_transcription": {"model": "nope"}}})
-    errors = bad.wait_for("error", count=7)
+    bad.send({"type": "no.such.event", "event_id": {"not": "a string"}})
+    errors = bad.wait_for("error", count=8)
     codes = [e["error"]["code"] for e in errors]
-    assert codes == ["invalid_json", "invalid_event", "invalid_base64", "invalid_event",
-                     "input_audio_buffer_commit_empty", "invalid_value", "model_not_found"]  # fmt: skip
-    assert errors[1]["error"]["event_id"] == "evt_1"
+    assert codes == [
+        "invalid_json",
+        "invalid_event",
+        "invalid_base64",
+        "invalid_event",
+        "input_audio_buffer_commit_empty",
+        "invalid_value",
+        "model_not_found",
+        "invalid_event",
+    ]
+    assert errors[1]["error"]["event_id"] == "evt_1" and errors[7]["error"]["event_id"] is None
     good = live(server)  # a second session works while the first misbehaves
     good.send({"type": "transcription_session.update", "session": {"input_audio_sample_rate": 16000,
                                                                   "turn_detection": None}})  # fmt: skip
     bad.ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": "A" * 300_000}))  # over the event limit
-    assert bad.wait_for("error", count=8)[-1]["error"]["code"] == "event_too_large"
+    assert bad.wait_for("error", count=9)[-1]["error"]["code"] == "event_too_large"
     assert bad.closed.wait(10) and bad.ws.close_code == 1009
     good.stream(speech[: 16000 * 3], 16000, speedup=10)
     good.send({"type": "input_audio_buffer.commit"})

@@ -50,6 +50,9 @@ async def _receive(ws: WebSocket, session: RealtimeSession) -> None:
         except Closing as closing:
             session.close(closing)
             return
+        except Exception:  # a bug in handling one event must not end the session silently
+            log.exception("realtime event failed")
+            session.error("The server failed to handle this event.", "server_error")
 
 
 async def _flush_and_close(ws: WebSocket, session: RealtimeSession, why: Closing) -> None:

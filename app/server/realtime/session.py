@@ -48,6 +48,28 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:20]}"
 
 
+def _norm(word: str) -> str:
+    """A word as heard: case and surrounding punctuation vary between partials of the same speech."""
+    return word.strip(".,;:!?\"'()[]«»¿¡…-").lower()
+
+
+def _same_words(a: list[str], b: list[str]) -> bool:
+    return len(a) == len(b) and all(_norm(x) == _norm(y) for x, y in zip(a, b, strict=True))
+
+
+def _remainder(confirmed: str, final: str) -> str:
+    """What the final text adds after the words already sent as deltas ("" when it took another path).
+
+    Deltas spell the final text's words; its punctuation and case may differ where a partial had
+    them differently (the `completed` transcript is the authoritative text)."""
+    if final.startswith(confirmed):
+        return final[len(confirmed) :]
+    sent, words = confirmed.split(), final.split()
+    if not _same_words(words[: len(sent)], sent) or len(words) == len(sent):
+        return ""
+    return " " + " ".join(words[len(sent) :])
+
+
 @dataclass
 class Utterance:
     item_id: str
@@ -168,12 +190,13 @@ class RealtimeSession:
         if not isinstance(event, dict) or not isinstance(event.get("type"), str):
             self.error("An event must be a JSON object with a string `type`.", "invalid_event", "type")
             return
-        kind, event_id = event["type"], event.get("event_id")
+        kind, raw_id = event["type"], event.get("event_id")
+        event_id = raw_id if isinstance(raw_id, str) else None
         handler = self._handlers.get(kind)
         if handler is None:
             self.error(f"Unknown or unsupported event type {kind!r}.", "invalid_event", "type", event_id)
             return
-        handler(self, event, event_id if isinstance(event_id, str) else None)
+        handler(self, event, event_id)
 
     def _update(self, event: dict[str, Any], event_id: str | None) -> None:
         try:
@@ -325,7 +348,7 @@ class RealtimeSession:
             pending = self.service.submit(self._job(audio), Lane.LIVE_PARTIAL)
             transcription, _ = await self.service.result(pending)
         except errors.ApiError as exc:
-            log.debug("partial skipped: %s", exc.message)
+            log.info("partial skipped: %s", exc.message)
             return  # a partial is best effort: a busy server skips it
         except Exception:
             log.exception("partial transcription failed")
@@ -343,13 +366,13 @@ class RealtimeSession:
         words = transcription.text.split()
         agreed = 0  # LocalAgreement: words two consecutive partials share are stable enough to send
         for a, b in zip(self._hypothesis, words, strict=False):
-            if a != b:
+            if _norm(a) != _norm(b):
                 break
             agreed += 1
         self._hypothesis = words
-        confirmed = self.confirmed.split()
-        if agreed > len(confirmed) and words[: len(confirmed)] == confirmed:
-            delta = " ".join(words[len(confirmed) : agreed])
+        sent = len(self.confirmed.split())
+        if agreed > sent and _same_words(words[:sent], self.confirmed.split()):
+            delta = " ".join(words[sent:agreed])
             delta = f" {delta}" if self.confirmed else delta
             self.confirmed += delta
             self.emit(self._delta(item_id, delta))
@@ -392,8 +415,8 @@ class RealtimeSession:
                 )
                 return
         text = transcription.text
-        if text != u.confirmed and text.startswith(u.confirmed):
-            self.emit(self._delta(u.item_id, text[len(u.confirmed) :]))
+        if rest := _remainder(u.confirmed, text):
+            self.emit(self._delta(u.item_id, rest))
         latency = time.perf_counter() - u.closed_at
         self.metrics.utterance_latency.observe(latency)
         metrics = {
