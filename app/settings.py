@@ -28,6 +28,7 @@ class Settings(BaseSettings):
     draft_tokens: int = Field(5, ge=1, le=12, description="initial draft length per row")
     adaptive_draft: bool = Field(True, description="adapt the draft length to acceptance")
     log_level: str = Field("info", description="logging level of the server and worker")
+    worker_heap_trim: bool = Field(True, description="return freed heap memory to the OS when the worker idles")
 
     # server
     host: str = "127.0.0.1"

@@ -11,10 +11,13 @@ from multiprocessing.connection import Connection
 
 from app.engine.adaptive import ModePolicy
 from app.engine.transcriber import Engine, InvalidRequestError, Segment
+from app.server.heap import heap_trimmer
 from app.server.protocol import BatchRequest, BatchResult, Job, JobResult, Progress, Ready, Stop
 from app.settings import Settings
 
 log = logging.getLogger("specwhisper.worker")
+
+IDLE_BEFORE_TRIM_S = 0.25  # under load the next batch comes sooner, so a busy worker never trims
 
 
 class BatchRunner:
@@ -69,6 +72,7 @@ def worker_main(settings: Settings, conn: Connection) -> None:
     engine = build_engine(settings, progress=False)
     drafter = engine.drafter.name if engine.drafter else None
     runner = BatchRunner(engine, ModePolicy(settings.speculation), conn.send)
+    trim = heap_trimmer() if settings.worker_heap_trim else None
     conn.send(Ready(engine.main.name, drafter, time.perf_counter() - started))
     while True:
         try:
@@ -79,3 +83,5 @@ def worker_main(settings: Settings, conn: Connection) -> None:
             return
         if isinstance(message, BatchRequest):
             conn.send(runner.run(message))
+            if trim is not None and not conn.poll(IDLE_BEFORE_TRIM_S):
+                trim()
