@@ -43,6 +43,9 @@ class Settings(BaseSettings):
     queue_size: int = Field(64, ge=1, description="requests waiting beyond this get 429")
     max_upload_bytes: int = Field(25 * 1024 * 1024, ge=1, description="largest accepted upload")
     max_audio_seconds: float = Field(3600.0, gt=0, description="longest accepted audio")
+    max_queued_audio_seconds: float = Field(
+        4 * 3600.0, gt=0, description="decoded audio waiting in the queue (4 bytes/sample at 16 kHz); beyond it 429"
+    )
     request_timeout_s: float = Field(600.0, gt=0, description="a request waiting longer gets 504")
     shutdown_timeout_s: float = Field(30.0, ge=0, description="time to finish in-flight work on shutdown")
     worker_start_timeout_s: float = Field(300.0, gt=0, description="model loading time allowed")

@@ -7,6 +7,7 @@ what the server's counters say about work it dropped.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -19,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
+import soundfile as sf
 from websockets.sync.client import connect
 
 from tests.server import ServerProcess
@@ -33,7 +36,11 @@ GRACEFUL = (0, -signal.SIGTERM)
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("faults") / "server.log"
-    env = {"SPECWHISPER_MAX_BATCH": "1", "SPECWHISPER_BATCH_WINDOW_MS": "0"}
+    env = {
+        "SPECWHISPER_MAX_BATCH": "1",
+        "SPECWHISPER_BATCH_WINDOW_MS": "0",
+        "SPECWHISPER_MAX_QUEUED_AUDIO_SECONDS": "60",
+    }
     srv = ServerProcess(env, log=log).start()
     yield srv
     srv.stop()
@@ -215,6 +222,50 @@ def test_client_disconnect_cancels_its_queued_work(
     assert ok.status_code == 200 and ok.json()["text"] == SHORT_TEXT
     # Batches: the long one and the last one; the abandoned request never ran.
     assert metric(server, "specwhisper_batch_size_count") == batches + 2
+
+
+def test_client_disconnect_stops_its_running_transcription(
+    server: ServerProcess, long_audio: bytes, short_audio: bytes
+) -> None:
+    """A client that leaves a long transcription frees the worker at the next 30-s window, not at the end."""
+    samples, rate = sf.read(io.BytesIO(long_audio), dtype="float32")
+    buf = io.BytesIO()
+    sf.write(buf, np.concatenate([samples] * 4), rate, format="WAV")  # ~3 min: six or more windows
+    batches = metric(server, "specwhisper_batch_size_count")
+    stopped = metric(server, "specwhisper_running_cancelled_total")
+    body, content_type = multipart(buf.getvalue())
+    sock, head = raw_request(server, body, content_type)
+    sock.sendall(head + body)
+    wait_until(lambda: metric(server, "specwhisper_batch_size_count") > batches, what="the long batch to start")
+    sock.close()
+    # The counter moves only when the worker hands back a transcription it ended early.
+    wait_until(lambda: metric(server, "specwhisper_running_cancelled_total") > stopped, what="the worker to stop")
+    ok = post(server, short_audio)
+    assert ok.status_code == 200 and ok.json()["text"] == SHORT_TEXT
+
+
+def test_queued_audio_is_bounded_in_seconds(server: ServerProcess, long_audio: bytes, short_audio: bytes) -> None:
+    """The queue holds decoded audio: with 60 s allowed, one 43-s file may wait, a second gets 429, a short one fits."""
+    batches = metric(server, "specwhisper_batch_size_count")
+    results: dict[str, httpx.Response] = {}
+
+    def send(name: str, audio: bytes) -> threading.Thread:
+        thread = threading.Thread(target=lambda: results.update({name: post(server, audio)}))
+        thread.start()
+        return thread
+
+    threads = [send("running", long_audio)]
+    wait_until(lambda: metric(server, "specwhisper_batch_size_count") > batches, what="the first batch to start")
+    threads.append(send("queued", long_audio))
+    wait_until(lambda: metric(server, "specwhisper_queue_depth") >= 1, what="the second file to queue")
+    refused = post(server, long_audio)
+    threads.append(send("short", short_audio))
+    for thread in threads:
+        thread.join(300)
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+    assert int(refused.headers["retry-after"]) >= 1
+    assert [results[k].status_code for k in ("running", "queued", "short")] == [200, 200, 200]
+    assert results["short"].json()["text"] == SHORT_TEXT
 
 
 def test_sigterm_drains_running_and_queued_requests(server: ServerProcess, short_audio: bytes) -> None:

@@ -184,6 +184,10 @@ class _Job:
     def done(self) -> bool:
         return self.seek >= self.content_frames
 
+    def cancel(self) -> None:
+        self.seek = self.content_frames
+        self.finish = "cancelled"
+
     @property
     def segment_frames(self) -> int:
         return min(N_FRAMES, self.content_frames - self.seek)
@@ -222,11 +226,14 @@ class Engine:
         audio: Sequence[np.ndarray],
         options: Sequence[DecodingOptions],
         on_segments: Callable[[int, list[Segment]], None] | None = None,
+        cancelled: Callable[[int], bool] | None = None,
     ) -> list[Transcription]:
         """Transcribe a batch of 16-kHz mono clips; every request of the batch shares each pass.
 
         on_segments(i, segments) is called after each window with the segments it added to clip i,
         so that a caller can stream long audio while it is being transcribed.
+        cancelled(i) is asked before each window: clip i then stops where it is, with finish
+        "cancelled", and the rest of the batch goes on without it.
         """
         if not audio or len(audio) != len(options):
             raise InvalidRequestError("need one set of options per clip, and at least one clip")
@@ -238,6 +245,10 @@ class Engine:
         with torch.inference_mode():
             jobs = [_Job(self.main, a, o) for a, o in zip(audio, options, strict=True)]
             while True:
+                if cancelled is not None:
+                    for i, job in enumerate(jobs):
+                        if not job.done and cancelled(i):
+                            job.cancel()
                 active = [job for job in jobs if not job.done]
                 if not active:
                     break

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.audio import SAMPLE_RATE
 from app.server import errors
 from app.server.auth import authorized, bearer
 from app.server.batcher import Batcher
@@ -57,6 +58,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             settings.batch_window_ms / 1000,
             settings.queue_size,
             settings.realtime_partial_max_wait_s,
+            max_queued_samples=round(settings.max_queued_audio_seconds * SAMPLE_RATE),
         )
         app.state.worker = worker
         app.state.batcher = batcher

@@ -61,6 +61,7 @@ class Batcher:
         window_s: float,
         queue_size: int,
         partial_max_wait_s: float = 1.0,
+        max_queued_samples: int | None = None,
     ) -> None:
         self.worker = worker
         self.metrics = metrics
@@ -68,12 +69,14 @@ class Batcher:
         self.window_s = window_s
         self.queue_size = queue_size
         self.partial_max_wait_s = partial_max_wait_s
+        self.max_queued_samples = max_queued_samples
         self.lanes: dict[Lane, deque[Pending]] = {lane: deque() for lane in Lane}
         self.inflight = 0
         self.batch_seconds = 1.0  # moving average of a batch's run time: what a 429's Retry-After is based on
         self._arrived = asyncio.Event()
         self._closed = False
         self._task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Future[None]] = set()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="batcher")
@@ -87,6 +90,10 @@ class Batcher:
     def depth(self) -> int:
         return sum(len(q) for q in self.lanes.values())
 
+    @property
+    def queued_samples(self) -> int:
+        return sum(p.job.audio.size for q in self.lanes.values() for p in q if not p.future.done())
+
     def submit(self, job: Job, lane: Lane = Lane.UPLOAD) -> Pending:
         if self._closed:
             raise ShuttingDown("the server is shutting down")
@@ -95,6 +102,10 @@ class Batcher:
         # A finished utterance may use the last slots; uploads and partials leave room for it.
         limit = self.queue_size if lane is Lane.LIVE_FINAL else max(1, self.queue_size - self.max_batch)
         if self.depth >= limit:
+            raise QueueFull
+        # The queue holds decoded audio (4 bytes a sample); a long file waits only where it fits.
+        budget = self.max_queued_samples
+        if budget is not None and self.depth and self.queued_samples + job.audio.size > budget:
             raise QueueFull
         progress: asyncio.Queue[list[Segment]] | None = asyncio.Queue() if job.stream else None
         pending = Pending(job, asyncio.get_running_loop().create_future(), lane, progress)
@@ -142,12 +153,26 @@ class Batcher:
         if pending is not None and pending.progress is not None:
             pending.progress.put_nowait(message.segments)
 
+    def _cancel_when_abandoned(self, pending: Pending) -> None:
+        """A running job whose client leaves (or times out) is stopped in the worker at its next window."""
+
+        def on_done(future: asyncio.Future[JobResult]) -> None:
+            if future.cancelled() and self.inflight:
+                task = asyncio.ensure_future(self.worker.cancel(pending.job.request_id))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+        pending.future.add_done_callback(on_done)
+
     async def _loop(self) -> None:
         while True:
-            batch = await self._collect()
+            batch = [p for p in await self._collect() if not p.future.done()]
+            if not batch:
+                continue
             now = time.perf_counter()
             for p in batch:
                 p.dispatched = now
+                self._cancel_when_abandoned(p)
             self.inflight = len(batch)
             self.metrics.batch_size.observe(len(batch))
             streaming = {p.job.request_id: p for p in batch if p.progress is not None}
@@ -167,6 +192,8 @@ class Batcher:
                 for p, r in zip(batch, results, strict=True):
                     if not p.future.done():
                         p.future.set_result(r)
+                    elif r.transcription is not None and r.transcription.finish == "cancelled":
+                        self.metrics.running_cancelled.inc()
             finally:
                 self.inflight = 0
 

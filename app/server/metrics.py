@@ -54,6 +54,11 @@ class ServerMetrics:
         self.queue_dropped = Counter(
             "specwhisper_queue_dropped", "queued requests dropped before running (their client went away)", registry=r
         )
+        self.running_cancelled = Counter(
+            "specwhisper_running_cancelled",
+            "running requests stopped in the worker before their audio was done (their client went away)",
+            registry=r,
+        )
         self.asyncio_tasks = Gauge("specwhisper_asyncio_tasks", "asyncio tasks in the web process", registry=r)
         self.asyncio_tasks.set_function(_task_count)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, ... of the web process

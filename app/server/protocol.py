@@ -32,6 +32,13 @@ class BatchRequest:
 
 
 @dataclass(frozen=True)
+class Cancel:
+    """The client of a running job went away: stop it at its next window."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
 class JobResult:
     request_id: str
     transcription: Transcription | None = None

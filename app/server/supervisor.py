@@ -13,7 +13,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
-from app.server.protocol import BatchRequest, BatchResult, Job, JobResult, Progress, Ready, Stop
+from app.server.protocol import BatchRequest, BatchResult, Cancel, Job, JobResult, Progress, Ready, Stop
 from app.server.worker import worker_main
 from app.settings import Settings
 
@@ -142,6 +142,15 @@ class WorkerSupervisor:
             raise WorkerUnavailable(f"could not reach the worker: {exc}") from exc
         result = await future
         return result.results
+
+    async def cancel(self, request_id: str) -> None:
+        """Ask the worker to stop a running job at its next window (best effort: it may have finished)."""
+        conn = self._conn
+        if conn is None or not self.is_ready:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            async with self._send_lock:
+                await asyncio.to_thread(conn.send, Cancel(request_id))
 
     async def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True

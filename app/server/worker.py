@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import signal
+import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -12,7 +14,7 @@ from multiprocessing.connection import Connection
 from app.engine.adaptive import ModePolicy
 from app.engine.transcriber import Engine, InvalidRequestError, Segment
 from app.server.heap import heap_trimmer
-from app.server.protocol import BatchRequest, BatchResult, Job, JobResult, Progress, Ready, Stop
+from app.server.protocol import BatchRequest, BatchResult, Cancel, Job, JobResult, Progress, Ready
 from app.settings import Settings
 
 log = logging.getLogger("specwhisper.worker")
@@ -23,10 +25,17 @@ IDLE_BEFORE_TRIM_S = 0.25  # under load the next batch comes sooner, so a busy w
 class BatchRunner:
     """Runs one batch at a time: validation, the speculative/plain choice, streaming progress, error isolation."""
 
-    def __init__(self, engine: Engine, policy: ModePolicy, send: Callable[[object], None]) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        policy: ModePolicy,
+        send: Callable[[object], None],
+        cancelled: Callable[[str], bool] = lambda request_id: False,
+    ) -> None:
         self.engine = engine
         self.policy = policy
         self.send = send
+        self.cancelled = cancelled
 
     def run(self, batch: BatchRequest) -> BatchResult:
         valid: list[Job] = []
@@ -52,7 +61,12 @@ class BatchRunner:
                 self.send(Progress(jobs[i].request_id, segments))
 
         try:
-            out = self.engine.transcribe([j.audio for j in jobs], options, on_segments=progress)
+            out = self.engine.transcribe(
+                [j.audio for j in jobs],
+                options,
+                on_segments=progress,
+                cancelled=lambda i: self.cancelled(jobs[i].request_id),
+            )
         except Exception as exc:  # a bug must fail its batch, not the worker
             log.exception("batch %s failed", batch_id)
             return {j.request_id: JobResult(j.request_id, error=f"internal error: {exc}", internal=True) for j in jobs}
@@ -60,6 +74,42 @@ class BatchRunner:
             decode_s = max(t.metrics.decode_ms for t in out) / 1000  # the batch's rows share the decode time
             self.policy.observe(mode, len(jobs), decode_s, sum(t.metrics.tokens for t in out))
         return {j.request_id: JobResult(j.request_id, transcription=t) for j, t in zip(jobs, out, strict=True)}
+
+
+class Inbox:
+    """The worker's reader thread: batches queue up for the main thread; a Cancel is noted at once, mid-batch.
+
+    The web process has one batch in flight at a time and cancels only jobs it has sent, so a new
+    batch clears the cancellations of the previous one.
+    """
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._batches: queue.Queue[BatchRequest | None] = queue.Queue()  # None: stop
+        self._cancelled: set[str] = set()
+        threading.Thread(target=self._read, name="worker-inbox", daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                message = None
+            if isinstance(message, Cancel):
+                self._cancelled.add(message.request_id)
+            elif isinstance(message, BatchRequest):
+                self._cancelled = set()
+                self._batches.put(message)
+            else:  # Stop, or the web process is gone
+                self._batches.put(None)
+                return
+
+    def next(self, timeout: float | None = None) -> BatchRequest | None:
+        """The next batch (None: stop); raises queue.Empty after `timeout` seconds without one."""
+        return self._batches.get(timeout=timeout)
+
+    def is_cancelled(self, request_id: str) -> bool:
+        return request_id in self._cancelled
 
 
 def worker_main(settings: Settings, conn: Connection) -> None:
@@ -71,17 +121,17 @@ def worker_main(settings: Settings, conn: Connection) -> None:
     started = time.perf_counter()
     engine = build_engine(settings, progress=False)
     drafter = engine.drafter.name if engine.drafter else None
-    runner = BatchRunner(engine, ModePolicy(settings.speculation), conn.send)
     trim = heap_trimmer() if settings.worker_heap_trim else None
+    inbox = Inbox(conn)
+    runner = BatchRunner(engine, ModePolicy(settings.speculation), conn.send, inbox.is_cancelled)
     conn.send(Ready(engine.main.name, drafter, time.perf_counter() - started))
     while True:
         try:
-            message = conn.recv()
-        except (EOFError, OSError):
+            batch = inbox.next(timeout=IDLE_BEFORE_TRIM_S if trim is not None else None)
+        except queue.Empty:
+            assert trim is not None
+            trim()
+            batch = inbox.next()
+        if batch is None:
             return
-        if isinstance(message, Stop):
-            return
-        if isinstance(message, BatchRequest):
-            conn.send(runner.run(message))
-            if trim is not None and not conn.poll(IDLE_BEFORE_TRIM_S):
-                trim()
+        conn.send(runner.run(batch))
