@@ -21,6 +21,16 @@ class AudioError(ValueError):
     """The input is not decodable audio, or holds no samples."""
 
 
+class _Upload(io.BytesIO):
+    """The bytes libsndfile reads through its virtual I/O. A corrupt header can make it seek before
+    the start; BytesIO would raise inside soundfile's C callback, where the exception is only
+    printed (a traceback in the server log per bad upload). Clamping keeps it a parse error."""
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.tell(), io.SEEK_END: len(self.getbuffer())}[whence]
+        return super().seek(max(0, base + offset))
+
+
 def _to_mono_16k(samples: np.ndarray, rate: int) -> np.ndarray:
     if samples.ndim == 2:
         samples = samples.mean(axis=1)
@@ -80,7 +90,7 @@ def decode_audio(data: bytes, max_seconds: float | None = None) -> np.ndarray:
     if not data:
         raise AudioError("the audio file is empty")
     try:
-        source = sf.SoundFile(io.BytesIO(data))
+        source = sf.SoundFile(_Upload(data))
     except Exception:
         samples, rate = _decode_with_av(data, max_seconds)
         audio = _to_mono_16k(samples, rate)
