@@ -267,7 +267,8 @@ class Engine:
         features = torch.stack([job.features() for job in jobs])
         encoder_out = self.main.encode(features)
         cross = self.main.decoder.cross_kv(encoder_out)
-        session_inputs = DraftInputs(features, encoder_out, cross)
+        audio_frames = -(-max(job.segment_frames for job in jobs) // INPUT_STRIDE)
+        session_inputs = DraftInputs(features, encoder_out, cross, audio_frames)
         t1 = time.perf_counter()
         tok = self.main.tokenizer
         undetected = [i for i, job in enumerate(jobs) if job.language is None]
@@ -309,7 +310,10 @@ class Engine:
         if self.drafter is not None and any(row.draft for row in rows):
             if len(jobs) != inputs.features.shape[0]:
                 inputs = DraftInputs(
-                    inputs.features.index_select(0, index), inputs.encoder_out.index_select(0, index), cross
+                    inputs.features.index_select(0, index),
+                    inputs.encoder_out.index_select(0, index),
+                    cross,
+                    inputs.audio_frames,
                 )
             session = self.drafter.start(inputs)
         return decode(self.main, cross, rows, session, self.generator)
