@@ -97,7 +97,8 @@ def _bench(args: argparse.Namespace) -> int:
         languages=languages,
         limit=args.limit,
         batches=batches,
-        settings=None if args.no_rss_split else settings,
+        settings=settings,
+        rss_split=not args.no_rss_split,
         compare_hf=args.compare_hf,
         compare_faster_whisper=args.compare_faster_whisper,
     )

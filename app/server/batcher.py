@@ -166,7 +166,9 @@ class Batcher:
 
     async def _loop(self) -> None:
         while True:
-            batch = [p for p in await self._collect() if not p.future.done()]
+            collected = await self._collect()
+            batch = [p for p in collected if not p.future.done()]  # a client may leave while a batch fills
+            self.metrics.queue_dropped.inc(len(collected) - len(batch))
             if not batch:
                 continue
             now = time.perf_counter()
