@@ -213,14 +213,9 @@ def run_bench(
 
 def _references(settings: Settings, kind: str, manifest: Path, entries: list[dict]) -> dict[str, list[RunResult]]:
     """In a fresh process: the reference decoders of `kind` over the clips, after one warm-up clip."""
-    from app.store.catalog import ModelStore
-    from app.store.loader import load_model, resolve_device, resolve_dtype
+    from app.runtime import build_engine
 
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
-    device = resolve_device(settings.device)
-    main = load_model(settings.model, ModelStore(settings.models_dir), device=device,
-                      dtype=resolve_dtype(settings.dtype, device), progress=False)  # fmt: skip
+    main = build_engine(settings.model_copy(update={"assistant": NO_ASSISTANT}), progress=False).main
     runners: list[ClipRunner]
     if kind == "hf":
         runners = [HFGenerate(main, assisted=False), HFGenerate(main, assisted=True)]
