@@ -161,8 +161,8 @@ class DecoderDrafter:
     audio_margin: a draft reading the main encoder attends only to the frames that hold audio plus
     this many (None: all 1500). A 10-s clip leaves 1000 frames of encoded padding that the main
     model reads but a draft hardly needs: on the benchdata clips this cut the speculative decode
-    time by 19-24% at about the same acceptance (docs/performance.md). Only the draft changes; the main model,
-    which decides every token, still reads all frames, so the output is unchanged.
+    time by 19-24% at about the same acceptance (docs/performance.md). Only the draft changes;
+    the main model, which decides every token, still reads all frames: the output is unchanged.
     """
 
     def __init__(
