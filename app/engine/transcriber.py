@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -309,11 +309,11 @@ class Engine:
         session = None
         if self.drafter is not None and any(row.draft for row in rows):
             if len(jobs) != inputs.features.shape[0]:
-                inputs = DraftInputs(
-                    inputs.features.index_select(0, index),
-                    inputs.encoder_out.index_select(0, index),
-                    cross,
-                    inputs.audio_frames,
+                inputs = replace(
+                    inputs,
+                    features=inputs.features.index_select(0, index),
+                    encoder_out=inputs.encoder_out.index_select(0, index),
+                    main_cross=cross,
                 )
             session = self.drafter.start(inputs)
         return decode(self.main, cross, rows, session, self.generator)
