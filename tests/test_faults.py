@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import signal
 import socket
 import threading
@@ -26,6 +25,7 @@ import soundfile as sf
 from websockets.sync.client import connect
 
 from tests.server import ServerProcess
+from tests.server import metric as server_metric
 
 LONG_CLIP = "audio/fleurs/fleurs-de-009.wav"  # 43 s: two windows, several seconds of work
 SHORT_CLIP = "audio/ljspeech/LJ001-0002.wav"  # "in being comparatively modern."
@@ -57,9 +57,7 @@ def short_audio(benchdata: Path) -> bytes:
 
 
 def metric(server: ServerProcess, name: str) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=30).text
-    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    return float(found.group(1)) if found else 0.0
+    return server_metric(server, name, default=0.0)
 
 
 def wait_until(predicate: Any, timeout: float = 120, what: str = "condition") -> None:

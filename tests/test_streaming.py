@@ -22,7 +22,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
 from app.audio import decode_audio
-from tests.server import ServerProcess
+from tests.server import ServerProcess, metric
 
 CLIP = "audio/ljspeech/LJ001-0001.wav"
 LONG_CLIP = "audio/fleurs/fleurs-de-009.wav"  # 43 s: two windows
@@ -282,7 +282,7 @@ def test_realtime_bad_events_get_errors_and_others_keep_working(server: ServerPr
     good.ws.close()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        if _gauge(server, "specwhisper_realtime_sessions") == 0:
+        if metric(server, "specwhisper_realtime_sessions") == 0:
             break
         time.sleep(0.2)
     else:
@@ -290,12 +290,6 @@ def test_realtime_bad_events_get_errors_and_others_keep_working(server: ServerPr
     text = httpx.get(f"{server.url}/metrics").text
     latency = re.search(r"^specwhisper_realtime_utterance_latency_seconds_count (\S+)$", text, re.M)
     assert latency and float(latency.group(1)) >= 1
-
-
-def _gauge(server: ServerProcess, name: str) -> float:
-    found = re.search(rf"^{name} (\S+)$", httpx.get(f"{server.url}/metrics").text, re.M)
-    assert found, name
-    return float(found.group(1))
 
 
 @pytest.fixture(scope="module")
