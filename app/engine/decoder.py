@@ -23,8 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from app.engine.kernels import PackedLinear
 
-def _int8(linear: nn.Linear) -> nn.Module:
+
+def _int8(linear: nn.Linear | PackedLinear) -> nn.Module:
     """A dynamically quantized (int8 weights, fp32 activations) twin of `linear`; `linear` is left as it is."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
     from torch.ao.quantization import default_dynamic_qconfig
@@ -204,11 +206,12 @@ class TextDecoder(nn.Module):
         for layer in cast(list[DecoderLayer], list(self.layers)):
             twin = copy.copy(layer)
             twin._modules = {
-                name: _int8(child) if isinstance(child, nn.Linear) else child for name, child in layer._modules.items()
+                name: _int8(child) if isinstance(child, nn.Linear | PackedLinear) else child
+                for name, child in layer._modules.items()
             }
             layers.append(twin)
         draft.layers = nn.ModuleList(layers)
-        draft.proj = _int8(cast(nn.Linear, self.proj))
+        draft.proj = _int8(cast(nn.Linear | PackedLinear, self.proj))
         return draft.eval()
 
     def cross_kv(self, encoder_out: Tensor) -> CrossKV:

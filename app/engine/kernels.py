@@ -1,10 +1,15 @@
-"""CPU kernels for the fp32 linear layers: oneDNN with each weight reordered once.
+"""CPU kernels for fp32 models: oneDNN instead of torch's default GEMM and attention.
 
-On these machines torch's default fp32 GEMM (MKL) does not use the CPU's AVX-512 units,
-while oneDNN does: the encoder's projections run about twice as fast, and the small-M
-products of decoding (1 token, or a few verified drafts) too. The arithmetic is the same
-fp32 product y = x W^T + b; only the summation order inside the kernel differs, and both
-decoding modes run the very same kernels, so their outputs stay identical.
+On these machines torch's default fp32 GEMM (MKL) does not use the CPU's AVX-512 units and
+streams the weights of small-M products (decoding: 1 token, or a few verified drafts) at a
+fraction of the memory bandwidth, while oneDNN with each weight reordered once
+(`PackedLinear`) runs the encoder's projections about twice as fast and the decoder's steps
+up to four times as fast. The encoder's 1500x1500 self-attention also runs faster as plain
+oneDNN products per head than through torch's CPU flash-attention kernel (`attention`).
+The arithmetic is the same fp32 function; only the summation order inside the kernels
+differs, and both decoding modes run the very same kernels, so their outputs stay identical.
+Everywhere else (GPU, half precision, a torch without oneDNN) the same entry points fall
+back to torch's own ops.
 """
 
 from __future__ import annotations
@@ -12,7 +17,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+
+# Query rows per attention block on the CPU: a block's scores (rows x T fp32) stay near the
+# cache. 750 rows of 1500 keys (4.5 MB) ran 20% faster than whole heads on 2 cores.
+ATTENTION_BLOCK_ROWS = 750
 
 
 def packing_available() -> bool:
@@ -44,6 +54,14 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def gelu(self, x: Tensor) -> Tensor:
+        """gelu(x W^T + b) with the activation applied inside the kernel (erf form, as Whisper's)."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "gelu", [], "none")
+
+    def add(self, x: Tensor, residual: Tensor) -> Tensor:
+        """residual + x W^T + b with the sum done inside the kernel (`residual` has the output's shape)."""
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
 
     def to_linear(self) -> nn.Linear:
         linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
@@ -80,3 +98,38 @@ def pack_linears(module: nn.Module) -> int:
         else:
             count += pack_linears(child)
     return count
+
+
+def linear_gelu(linear: nn.Module, x: Tensor) -> Tensor:
+    """gelu(linear(x)), fused into the product where `linear` is packed."""
+    return linear.gelu(x) if isinstance(linear, PackedLinear) else F.gelu(linear(x))
+
+
+def linear_add(linear: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
+    """residual + linear(x), fused into the product where `linear` is packed."""
+    return linear.add(x, residual) if isinstance(linear, PackedLinear) else residual + linear(x)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Unmasked attention softmax(q k^T) v with q already scaled: q, k, v [B, H, T, Dh] -> [B, T, H * Dh].
+
+    fp32 on a CPU with oneDNN: per row and head, blocks of query rows through oneDNN's products
+    (keys and transposed values made contiguous once, as oneDNN's weights must be). Elsewhere
+    torch's `scaled_dot_product_attention`.
+    """
+    b, h, t, dh = q.shape
+    if not (q.device.type == "cpu" and q.dtype == torch.float32 and packing_available()):
+        out = F.scaled_dot_product_attention(q, k, v, scale=1.0)
+        return out.transpose(1, 2).reshape(b, t, h * dh)
+    product = torch.ops.mkldnn._linear_pointwise
+    keys = k.contiguous()
+    values_t = v.transpose(-1, -2).contiguous()  # [B, H, Dh, T]
+    out = q.new_empty(b, t, h, dh)
+    for row in range(b):
+        for head in range(h):
+            for start in range(0, t, ATTENTION_BLOCK_ROWS):
+                stop = min(start + ATTENTION_BLOCK_ROWS, t)
+                scores = product(q[row, head, start:stop], keys[row, head], None, "none", [], "")
+                weights = torch.softmax(scores, dim=-1)
+                out[row, start:stop, head] = product(weights, values_t[row, head], None, "none", [], "")
+    return out.view(b, t, h * dh)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from app.engine.decoder import TextDecoder
+from app.engine.encoder import AudioEncoder
 from app.engine.logits import LogitRule, LogitRules, SuppressAtBegin, SuppressTokens, TimestampRules
 from app.engine.tokenizer import WhisperTokenizer
 
@@ -27,7 +29,7 @@ class WhisperModel:
     """Encoder (None for a decoder-only assistant), decoder and vocabulary of one checkpoint."""
 
     name: str
-    encoder: nn.Module | None
+    encoder: AudioEncoder | None
     decoder: TextDecoder
     tokenizer: WhisperTokenizer
     constants: GenerationConstants
@@ -45,8 +47,7 @@ class WhisperModel:
         """Log-mel features [B, n_mels, 3000] -> encoder states [B, 1500, D]."""
         if self.encoder is None:
             raise RuntimeError(f"{self.name} has no encoder (decoder-only assistant)")
-        out = self.encoder(features.to(self.device, self.dtype))
-        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        return cast(Tensor, self.encoder(features.to(self.device, self.dtype)))
 
     def logit_rules(self, timestamps: bool = False) -> LogitRules:
         """Whisper's suppression rules for this vocabulary (timestamp rules come with timestamp mode)."""

@@ -34,7 +34,6 @@ from app.engine.features import (
     log_mel,
     window,
 )
-from app.engine.kernels import pack_linears
 from app.engine.model import WhisperModel
 from app.engine.tokenizer import TASKS
 
@@ -206,11 +205,6 @@ class Engine:
         self.main = main
         self.drafter = drafter
         self.generator = torch.Generator().manual_seed(seed)
-        if main.encoder is not None and main.device.type == "cpu" and main.dtype == torch.float32:
-            # The encoder's large products run on oneDNN's fp32 kernels (idempotent for a shared model).
-            # The decoder keeps the default kernels: its 1..k-token products gain little and oneDNN's
-            # per-call thread barrier costs milliseconds whenever another process holds a core.
-            pack_linears(main.encoder)
         self._rules = {ts: main.logit_rules(timestamps=ts) for ts in (False, True)}
 
     def check(self, options: DecodingOptions) -> None:

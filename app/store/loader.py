@@ -7,9 +7,10 @@ import logging
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from app.engine.decoder import TextDecoder
+from app.engine.encoder import AudioEncoder
+from app.engine.kernels import pack_linears
 from app.engine.model import GenerationConstants, WhisperModel
 from app.engine.tokenizer import WhisperTokenizer
 from app.store.catalog import ModelStore
@@ -80,11 +81,17 @@ def load_model(
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
     hf.eval()
-    encoder: nn.Module | None = None
+    encoder: AudioEncoder | None = None
     if not decoder_only and keep_encoder:
-        encoder = hf.model.encoder.to(device)
+        encoder = AudioEncoder.from_hf(hf.model.encoder).to(device)
     decoder = TextDecoder.from_hf(hf).to(device)
     del hf
+    # fp32 on the CPU: every product on oneDNN's kernels with prepacked weights (app/engine/kernels.py).
+    # Torch's default GEMM streamed the decoder's 1..k-row products, above all the 100 MB vocabulary
+    # projection, at a fraction of the memory bandwidth (docs/performance.md).
+    pack_linears(decoder)
+    if encoder is not None:
+        pack_linears(encoder)
     tokenizer = WhisperTokenizer.from_file(_file(path, "tokenizer.json"), vocab_size=config.vocab_size)
     name = Path(path).name if Path(path).is_dir() else ref
     log.info("loaded %s from %s (%s, %s)", name, path, device, dtype)

@@ -1,0 +1,104 @@
+"""A lean Whisper audio encoder: two convolutions, N pre-norm self-attention blocks, a final norm.
+
+The same function as transformers' `WhisperEncoder`, laid out for the kernels in
+`app.engine.kernels`: fused q/k/v projection (with the query scale folded into its weights,
+exact for Whisper's power-of-two head size), residual sums and the feed-forward activation
+fused into the products where the linears are packed, and per-head oneDNN attention on the CPU.
+
+Shapes: B batch rows, M mel bins, F = 3000 mel frames, T = 1500 encoder frames, D width,
+H heads, Dh head size.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from app.engine.kernels import attention, linear_add, linear_gelu
+
+
+class EncoderLayer(nn.Module):
+    """Pre-norm block: self-attention over all frames, then the feed-forward."""
+
+    def __init__(self, d_model: int, n_heads: int, ffn_dim: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.attn_norm = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)  # query rows pre-scaled by Dh^-0.5
+        self.attn_out = nn.Linear(d_model, d_model)
+        self.ffn_norm = nn.LayerNorm(d_model)
+        self.fc1 = nn.Linear(d_model, ffn_dim)
+        self.fc2 = nn.Linear(ffn_dim, d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """[B, T, D] -> [B, T, D]."""
+        b, t, d = x.shape
+        qkv = self.qkv(self.attn_norm(x)).view(b, t, 3, self.n_heads, d // self.n_heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, T, Dh]
+        x = linear_add(self.attn_out, attention(q, k, v), x)
+        x = linear_add(self.fc2, linear_gelu(self.fc1, self.ffn_norm(x)), x)
+        if x.dtype == torch.float16:  # as transformers does, keep fp16 activations finite
+            bound = torch.finfo(x.dtype).max - 1000
+            x = x.clamp(-bound, bound)
+        return x
+
+
+class AudioEncoder(nn.Module):
+    """Log-mel [B, M, F] -> encoder states [B, T, D]."""
+
+    def __init__(self, n_mels: int, d_model: int, n_heads: int, ffn_dim: int, n_layers: int, n_frames: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv1d(n_mels, d_model, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(d_model, d_model, kernel_size=3, stride=2, padding=1)
+        self.positions = nn.Parameter(torch.zeros(n_frames, d_model), requires_grad=False)
+        self.layers = nn.ModuleList(EncoderLayer(d_model, n_heads, ffn_dim) for _ in range(n_layers))
+        self.norm = nn.LayerNorm(d_model)
+
+    @property
+    def n_frames(self) -> int:
+        return self.positions.shape[0]
+
+    @classmethod
+    def from_hf(cls, src: Any) -> AudioEncoder:
+        """Build from a transformers `WhisperEncoder` (`model.model.encoder`)."""
+        cfg = src.config
+        enc = cls(
+            n_mels=cfg.num_mel_bins,
+            d_model=cfg.d_model,
+            n_heads=cfg.encoder_attention_heads,
+            ffn_dim=cfg.encoder_ffn_dim,
+            n_layers=cfg.encoder_layers,
+            n_frames=cfg.max_source_positions,
+        )
+        enc.to(src.conv1.weight.dtype)
+        with torch.no_grad():
+            enc.conv1.load_state_dict(src.conv1.state_dict())
+            enc.conv2.load_state_dict(src.conv2.state_dict())
+            enc.positions.copy_(src.embed_positions.weight)
+            enc.norm.load_state_dict(src.layer_norm.state_dict())
+            for mine, theirs in zip(cast(list[EncoderLayer], list(enc.layers)), src.layers, strict=True):
+                sa = theirs.self_attn
+                scale = sa.scaling
+                zeros = torch.zeros_like(sa.q_proj.bias)
+                mine.qkv.weight.copy_(torch.cat([sa.q_proj.weight * scale, sa.k_proj.weight, sa.v_proj.weight]))
+                mine.qkv.bias.copy_(torch.cat([sa.q_proj.bias * scale, zeros, sa.v_proj.bias]))
+                mine.attn_out.load_state_dict(sa.out_proj.state_dict())
+                mine.attn_norm.load_state_dict(theirs.self_attn_layer_norm.state_dict())
+                mine.fc1.load_state_dict(theirs.fc1.state_dict())
+                mine.fc2.load_state_dict(theirs.fc2.state_dict())
+                mine.ffn_norm.load_state_dict(theirs.final_layer_norm.state_dict())
+        return enc.eval()
+
+    def forward(self, features: Tensor) -> Tensor:
+        expected = 2 * self.n_frames
+        if features.shape[-1] != expected:
+            raise ValueError(f"the encoder takes {expected} mel frames (one 30-s window), got {features.shape[-1]}")
+        x = F.gelu(self.conv1(features))
+        x = F.gelu(self.conv2(x))
+        x = x.transpose(1, 2) + self.positions
+        for layer in self.layers:
+            x = layer(x)
+        return cast(Tensor, self.norm(x))

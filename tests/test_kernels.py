@@ -1,0 +1,86 @@
+"""The CPU kernels and the lean encoder against torch's and transformers' reference arithmetic."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from app.engine.encoder import AudioEncoder
+from app.engine.features import N_SAMPLES, log_mel, window
+from app.engine.kernels import PackedLinear, attention, linear_add, linear_gelu, pack_linears, packing_available
+from app.engine.model import WhisperModel
+
+needs_onednn = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear ops")
+
+
+@needs_onednn
+def test_packed_linear_and_fused_epilogues_match_torch() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160)
+    packed = PackedLinear(copy.deepcopy(linear))
+    for rows in (1, 3, 7, 300):
+        x = torch.randn(2, rows, 96)
+        residual = torch.randn(2, rows, 160)
+        with torch.no_grad():
+            torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(linear_gelu(packed, x), F.gelu(linear(x)), rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(linear_add(packed, x, residual), residual + linear(x), rtol=1e-5, atol=1e-5)
+    # The plain fallbacks are the same functions.
+    x = torch.randn(4, 96)
+    with torch.no_grad():
+        torch.testing.assert_close(linear_gelu(linear, x), F.gelu(linear(x)))
+    # A packed layer still saves, copies and quantizes as a plain linear.
+    assert torch.equal(packed.state_dict()["weight"], linear.weight.detach())
+    assert type(copy.deepcopy(packed)) is nn.Linear
+
+
+@needs_onednn
+@pytest.mark.parametrize("frames", [1500, 37])
+def test_blocked_attention_matches_sdpa(frames: int) -> None:
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, 4, frames, 16) for _ in range(3))
+    reference = F.scaled_dot_product_attention(q, k, v, scale=1.0).transpose(1, 2).reshape(2, frames, 64)
+    torch.testing.assert_close(attention(q, k, v), reference, rtol=1e-4, atol=1e-5)
+
+
+def test_pack_linears_replaces_only_fp32_cpu_linears() -> None:
+    module = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8).to(torch.float16), nn.ReLU()))
+    expected = 1 if packing_available() else 0
+    assert pack_linears(module) == expected
+    assert isinstance(module[0], PackedLinear) == packing_available()
+    assert type(module[1][0]) is nn.Linear
+
+
+@pytest.fixture(scope="module")
+def speech_features(clip: Callable[[str], np.ndarray]) -> torch.Tensor:
+    audio = clip("ljspeech/LJ001-0001")
+    mel = log_mel(audio, 80, padding=N_SAMPLES)
+    return window(mel, 0, audio.size // 160).unsqueeze(0)
+
+
+def test_encoder_matches_transformers(base: WhisperModel, base_dir: Path, speech_features: torch.Tensor) -> None:
+    """The engine's encoder (packed kernels where available) and its plain twin give transformers' states."""
+    from transformers import WhisperForConditionalGeneration
+
+    hf = WhisperForConditionalGeneration.from_pretrained(base_dir, dtype=torch.float32).eval()
+    plain = AudioEncoder.from_hf(hf.model.encoder)
+    torch.manual_seed(2)
+    features = torch.cat([speech_features, torch.randn(1, 80, 3000) * 0.3])
+    with torch.inference_mode():
+        reference = hf.model.encoder(features).last_hidden_state
+        engine = base.encode(features)
+        unpacked = plain(features)
+    assert base.encoder is not None
+    assert any(isinstance(m, PackedLinear) for m in base.encoder.modules()) == packing_available()
+    # fp32 rounding only: the states reach ~10-30 in magnitude.
+    for mine in (engine, unpacked):
+        torch.testing.assert_close(mine, reference, rtol=1e-4, atol=3e-3)
+    with pytest.raises(ValueError, match="3000 mel frames"):
+        plain(features[..., :2000])
