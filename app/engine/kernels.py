@@ -14,6 +14,7 @@ back to torch's own ops.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 ATTENTION_BLOCK_ROWS = 750
 
 
+@functools.cache
 def packing_available() -> bool:
     """True when this torch build has oneDNN's prepacked linear ops."""
     ops = torch.ops.mkldnn
@@ -114,8 +116,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """Unmasked attention softmax(q k^T) v with q already scaled: q, k, v [B, H, T, Dh] -> [B, T, H * Dh].
 
     fp32 on a CPU with oneDNN: per row and head, blocks of query rows through oneDNN's products
-    (keys and transposed values made contiguous once, as oneDNN's weights must be). Elsewhere
-    torch's `scaled_dot_product_attention`.
+    (keys and transposed values made contiguous once: a strided "weight" sends oneDNN down a
+    path ~2000x slower). Elsewhere torch's `scaled_dot_product_attention`.
     """
     b, h, t, dh = q.shape
     if not (q.device.type == "cpu" and q.dtype == torch.float32 and packing_available()):
