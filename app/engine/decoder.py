@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from app.engine.kernels import PackedLinear
+from app.engine.weights import load_fused
 
 
 def _int8(linear: nn.Linear | PackedLinear) -> nn.Module:
@@ -174,14 +175,11 @@ class TextDecoder(nn.Module):
             dec.norm.load_state_dict(src.layer_norm.state_dict())
             for mine, theirs in zip(cast(list[DecoderLayer], list(dec.layers)), src.layers, strict=True):
                 sa, ca = theirs.self_attn, theirs.encoder_attn
-                zeros = torch.zeros_like(sa.q_proj.bias)
-                mine.qkv.weight.copy_(torch.cat([sa.q_proj.weight, sa.k_proj.weight, sa.v_proj.weight]))
-                mine.qkv.bias.copy_(torch.cat([sa.q_proj.bias, zeros, sa.v_proj.bias]))
+                load_fused(mine.qkv, [sa.q_proj, sa.k_proj, sa.v_proj])
                 mine.self_out.load_state_dict(sa.out_proj.state_dict())
                 mine.self_norm.load_state_dict(theirs.self_attn_layer_norm.state_dict())
                 mine.cross_q.load_state_dict(ca.q_proj.state_dict())
-                mine.cross_kv.weight.copy_(torch.cat([ca.k_proj.weight, ca.v_proj.weight]))
-                mine.cross_kv.bias.copy_(torch.cat([zeros, ca.v_proj.bias]))
+                load_fused(mine.cross_kv, [ca.k_proj, ca.v_proj])
                 mine.cross_out.load_state_dict(ca.out_proj.state_dict())
                 mine.cross_norm.load_state_dict(theirs.encoder_attn_layer_norm.state_dict())
                 mine.fc1.load_state_dict(theirs.fc1.state_dict())

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from app.engine.kernels import attention, linear_add, linear_gelu
+from app.engine.weights import load_fused
 
 
 class EncoderLayer(nn.Module):
@@ -81,10 +82,7 @@ class AudioEncoder(nn.Module):
             enc.norm.load_state_dict(src.layer_norm.state_dict())
             for mine, theirs in zip(cast(list[EncoderLayer], list(enc.layers)), src.layers, strict=True):
                 sa = theirs.self_attn
-                scale = sa.scaling
-                zeros = torch.zeros_like(sa.q_proj.bias)
-                mine.qkv.weight.copy_(torch.cat([sa.q_proj.weight * scale, sa.k_proj.weight, sa.v_proj.weight]))
-                mine.qkv.bias.copy_(torch.cat([sa.q_proj.bias * scale, zeros, sa.v_proj.bias]))
+                load_fused(mine.qkv, [sa.q_proj, sa.k_proj, sa.v_proj], scales=[sa.scaling, 1.0, 1.0])
                 mine.attn_out.load_state_dict(sa.out_proj.state_dict())
                 mine.attn_norm.load_state_dict(theirs.self_attn_layer_norm.state_dict())
                 mine.fc1.load_state_dict(theirs.fc1.state_dict())
