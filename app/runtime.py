@@ -26,7 +26,7 @@ def build_engine(settings: Settings, *, progress: bool = True) -> Engine:
     length = DraftLength(initial=settings.draft_tokens, adaptive=settings.adaptive_draft)
     drafter: Drafter | None = None
     if settings.assistant == SELF_DRAFT:
-        drafter = self_draft(main, length)
+        drafter = self_draft(main, length, kernel=settings.int8_kernel)
     elif settings.assistant != NO_ASSISTANT:
         assistant = load_model(settings.assistant, store, device=device, dtype=dtype, progress=progress)
         drafter = model_draft(main, assistant, length)

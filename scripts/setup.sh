@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create or reuse .venv, install the project (CPU torch first), convert the embedded models once.
+# Create or reuse .venv, install the project (CPU torch first), convert the embedded models once and
+# build the int8 draft kernel for this CPU (cached by torch; the engine would otherwise build it on first use).
 # Usage: scripts/setup.sh [EXTRA,...]   e.g. scripts/setup.sh dev
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,3 +18,4 @@ if ! python -c "import torch" 2>/dev/null; then
 fi
 python -m pip install -q -e ".[${extras}]"
 python -m app models convert >/dev/null
+python -m app kernels

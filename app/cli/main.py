@@ -117,6 +117,14 @@ def _gpubench(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
+def _kernels(args: argparse.Namespace) -> int:
+    from app.engine.int8 import vnni_extension
+
+    ext = vnni_extension()
+    print(f"int8 draft kernel: {'built (AVX-512 VNNI)' if ext is not None else 'unavailable, drafts use torch int8'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m app", description="SpecWhisper: speculative Whisper")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
@@ -183,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=text)
         tool.add_arguments(sub)
         sub.set_defaults(handler=tool.run_cli)
+
+    kernels = commands.add_parser("kernels", help="build this CPU's int8 draft kernel now (else on first use)")
+    kernels.set_defaults(handler=_kernels)
 
     models = commands.add_parser("models", help="show or convert models in the store")
     models_cmd = models.add_subparsers(dest="models_command", required=True)

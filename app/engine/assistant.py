@@ -25,12 +25,15 @@ def same_encoder(a: nn.Module, b: nn.Module) -> bool:
     return True
 
 
-def self_draft(main: WhisperModel, length: DraftLength | None = None) -> DecoderDrafter:
-    """An int8 copy of the main decoder reading the main model's cross-attention keys/values."""
+def self_draft(main: WhisperModel, length: DraftLength | None = None, kernel: bool = True) -> DecoderDrafter:
+    """An int8 copy of the main decoder reading the main model's cross-attention keys/values.
+
+    kernel: run its products on this project's int8 kernel where the CPU allows (`app.engine.int8`).
+    """
     if main.device.type != "cpu":
         raise ValueError("the int8 self-draft runs on the CPU; use a distil-style assistant on a GPU")
     return DecoderDrafter(
-        f"{SELF_DRAFT}({main.name}, int8)", main.decoder.quantized_copy(), "main-cross", length=length
+        f"{SELF_DRAFT}({main.name}, int8)", main.decoder.quantized_copy(kernel), "main-cross", length=length
     )
 
 

@@ -1,0 +1,147 @@
+"""int8 twins of linear layers for the CPU drafts.
+
+Two implementations of the same idea (int8 weights, activations quantized on the fly):
+- `VnniLinear`: this project's kernel (`csrc/int8_linear.cpp`) for CPUs with AVX-512 VNNI, built
+  with torch's C++ extension loader on first use and cached (`TORCH_EXTENSIONS_DIR`). A draft step
+  runs ~37 small products one row at a time; torch's dynamic int8 linear spends 15-30 us on each
+  whatever its size, this kernel 3-10 us (docs/performance.md).
+- `VnniDraftStack`: the same kernel running all layers of such a draft in one call, for the draft
+  steps of batch-1 decoding (one row, one token): ~150 small torch ops per step become one.
+- `dynamic_int8`: torch's dynamic int8 linear (fbgemm), wherever the kernel cannot be built or run.
+
+Only drafts use them: the main model, which decides every token, keeps its own weights, so the
+choice changes the speed of speculative decoding, never its output.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import platform
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from app.engine.kernels import PackedLinear
+
+if TYPE_CHECKING:
+    from app.engine.decoder import CrossKV, KVCache, TextDecoder
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "int8_linear.cpp"
+
+
+@functools.cache
+def vnni_extension() -> Any | None:
+    """The compiled kernel module, or None (not an x86-64 CPU with AVX-512 VNNI, or no compiler)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        ext = load(
+            name="specwhisper_int8_linear",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native"],
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no headers, a failed build: torch's int8 linear serves
+        log.warning("int8 draft kernel unavailable (%s); using torch's dynamic int8 linear", exc)
+        return None
+    if not ext.available():
+        log.info("this CPU has no AVX-512 VNNI; the drafts use torch's dynamic int8 linear")
+        return None
+    return ext
+
+
+class VnniLinear(nn.Module):
+    """int8 twin of a linear: weights int8 per output row (symmetric), run by the VNNI kernel.
+
+    Input [..., in] fp32 -> output [..., out] fp32. Each input row is quantized to uint8 over its
+    own range, as torch's dynamic int8 linear does for a whole input.
+    """
+
+    def __init__(self, linear: nn.Linear | PackedLinear, ext: Any) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self._ext = ext
+        weight = linear.weight.detach().float()
+        scale = weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+        quantized = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("packed", ext.pack(quantized), persistent=False)
+        self.register_buffer("scale", scale.contiguous(), persistent=False)
+        self.register_buffer("row_sum", quantized.sum(dim=1, dtype=torch.int32), persistent=False)
+        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self._ext.linear(x.float(), self.packed, self.scale, self.row_sum, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 (VNNI kernel)"
+
+
+def dynamic_int8(linear: nn.Linear | PackedLinear) -> nn.Module:
+    """torch's dynamically quantized twin of `linear` (int8 weights, fp32 activations)."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
+    from torch.ao.quantization import default_dynamic_qconfig
+
+    source = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+    source.weight = nn.Parameter(linear.weight.detach().float(), requires_grad=False)  # no copy when fp32
+    if linear.bias is not None:
+        source.bias = nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+    source.qconfig = default_dynamic_qconfig  # type: ignore[assignment]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice
+        return DynamicInt8Linear.from_float(source)
+
+
+def int8_twin(linear: nn.Linear | PackedLinear, kernel: bool = True) -> nn.Module:
+    """An int8 twin of `linear` (which is left as it is): the VNNI kernel where it runs, else torch's."""
+    ext = vnni_extension() if kernel and linear.in_features % 4 == 0 else None
+    return VnniLinear(linear, ext) if ext is not None else dynamic_int8(linear)
+
+
+class VnniDraftStack:
+    """The layers of an int8 draft decoder whose products all run on the VNNI kernel, as one call.
+
+    For one row feeding one token: x [D] (token + position embedding) -> the last layer's output [D],
+    with that position's keys/values written into `cache` as the module path writes them.
+    """
+
+    def __init__(self, decoder: TextDecoder, ext: Any) -> None:
+        params = []
+        layers: list[Any] = list(decoder.layers)
+        for layer in layers:
+            linears = [layer.qkv, layer.self_out, layer.cross_q, layer.cross_out, layer.fc1, layer.fc2]
+            parts: list[list[Tensor]] = [[lin.packed, lin.scale, lin.row_sum, _or_empty(lin.bias)] for lin in linears]
+            norms: list[list[Tensor]] = [
+                [n.weight.detach().float(), n.bias.detach().float()]
+                for n in (layer.self_norm, layer.cross_norm, layer.ffn_norm)
+            ]
+            params.append(
+                norms[0] + parts[0] + parts[1] + norms[1] + parts[2] + parts[3] + norms[2] + parts[4] + parts[5]
+            )
+        first = layers[0]
+        self._stack = ext.DraftStack(params, first.n_heads, float(first.self_norm.eps))
+
+    @classmethod
+    def build(cls, decoder: TextDecoder) -> VnniDraftStack | None:
+        """The stack of `decoder`, or None unless every product of every layer runs on the kernel."""
+        ext = vnni_extension()
+        names = ("qkv", "self_out", "cross_q", "cross_out", "fc1", "fc2")
+        if ext is None or not all(isinstance(getattr(layer, n), VnniLinear) for layer in decoder.layers for n in names):
+            return None
+        return cls(decoder, ext)
+
+    def __call__(self, x: Tensor, position: int, cache: KVCache, cross: CrossKV) -> Tensor:
+        return self._stack.step(x, position, cache.keys, cache.values, cross.keys, cross.values)  # type: ignore[no-any-return]
+
+
+def _or_empty(t: Tensor | None) -> Tensor:
+    return torch.empty(0) if t is None else t

@@ -1,0 +1,142 @@
+"""The int8 draft kernel (AVX-512 VNNI) against fp32 arithmetic and torch's dynamic int8 linear."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import Tensor, nn
+
+from app.engine.batch import DecoderState
+from app.engine.decoder import CrossKV, TextDecoder
+from app.engine.features import N_SAMPLES, log_mel, window
+from app.engine.int8 import VnniLinear, dynamic_int8, int8_twin, vnni_extension
+from app.engine.kernels import PackedLinear, packing_available
+from app.engine.model import WhisperModel
+
+
+def _cpu_has_vnni() -> bool:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return "avx512_vnni" in flags and "avx512bw" in flags
+
+
+needs_vnni = pytest.mark.skipif(not _cpu_has_vnni(), reason="this CPU has no AVX-512 VNNI")
+
+
+def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out - ref).abs().mean() / ref.abs().mean())
+
+
+@needs_vnni
+def test_kernel_builds_on_a_vnni_cpu_with_a_compiler() -> None:
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.fail("no C++ compiler: the setup installs build-essential for the int8 draft kernel")
+    assert vnni_extension() is not None
+
+
+@needs_vnni
+@pytest.mark.parametrize(("n_in", "n_out", "shape"), [(512, 1536, (1, 1)), (2048, 512, (2, 3)), (64, 51865, (5,))])
+def test_vnni_linear_matches_fp32_within_int8_error(n_in: int, n_out: int, shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(n_in, n_out, bias=n_out != 51865)  # the vocabulary projection has no bias
+    quantized = int8_twin(linear)
+    assert isinstance(quantized, VnniLinear)
+    x = torch.nn.functional.gelu(torch.randn(*shape, n_in) * 2)  # skewed, like the inputs of fc2
+    with torch.no_grad():
+        ref = linear(x)
+        out = quantized(x)
+        assert out.shape == ref.shape
+        assert _relative_error(out, ref) < 0.02
+        # Rows are quantized one by one: a row's result does not depend on its neighbours.
+        flat = x.reshape(-1, n_in)
+        torch.testing.assert_close(quantized(flat[:1]), out.reshape(-1, n_out)[:1], rtol=0, atol=0)
+        # At least as close to fp32 as torch's int8 linear (per-row weight scales against one per tensor).
+        assert _relative_error(out, ref) <= 1.1 * _relative_error(dynamic_int8(linear)(x), ref)
+        assert quantized(torch.empty(0, n_in)).shape == (0, n_out)
+
+
+@needs_vnni
+@pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear ops")
+def test_packed_linears_quantize_like_plain_ones() -> None:
+    torch.manual_seed(1)
+    linear = nn.Linear(128, 256)
+    x = torch.randn(3, 128)
+    with torch.no_grad():
+        torch.testing.assert_close(int8_twin(PackedLinear(linear))(x), int8_twin(linear)(x), rtol=0, atol=0)
+
+
+def test_without_the_kernel_the_draft_uses_torchs_int8(base: WhisperModel) -> None:
+    draft = base.decoder.quantized_copy(kernel=False)
+    assert not any(isinstance(m, VnniLinear) for m in draft.modules())
+    assert all(not isinstance(m, nn.Linear | PackedLinear) for m in draft.layers.modules())
+
+
+TEXT = " Printing, in the only sense with which we are at present concerned, differs from most if not from all the arts"
+
+
+@pytest.fixture(scope="module")
+def speech(base: WhisperModel, clip) -> tuple[list[int], CrossKV]:  # type: ignore[no-untyped-def]
+    """A real clip's cross-attention keys/values and its transcript's tokens (prompt first)."""
+    audio = clip("ljspeech/LJ001-0001")
+    features = window(log_mel(np.pad(audio, (0, max(0, N_SAMPLES - audio.size))), base.n_mels), 0)
+    with torch.inference_mode():
+        cross = base.decoder.cross_kv(base.encode(features.unsqueeze(0)))
+    return base.tokenizer.prompt("en", "transcribe") + base.tokenizer.encode(TEXT), cross
+
+
+def _teacher_forced(
+    decoder: TextDecoder, tokens: list[int], cross: CrossKV, one_by_one: bool = False
+) -> tuple[Tensor, DecoderState]:
+    """The decoder's greedy pick after each prefix of `tokens` (from the 4th on), fed at once or one at a time."""
+    with torch.inference_mode():
+        state = DecoderState.start(decoder, cross, 1)
+        if not one_by_one:
+            return decoder.logits(state.feed([tokens])[0][0, 3:]).argmax(-1), state
+        hidden = [state.feed([tokens[:4]])[0][0, 3:]] + [state.feed([[t]])[0][0] for t in tokens[4:]]
+        return decoder.logits(torch.cat(hidden)).argmax(-1), state
+
+
+@needs_vnni
+def test_self_draft_runs_on_the_kernel_and_stays_close_to_the_main_decoder(
+    base: WhisperModel, speech: tuple[list[int], CrossKV]
+) -> None:
+    """Fed a real transcript, the kernel's draft predicts what the fp32 decoder predicts about as often as torch's."""
+    tokens, cross = speech
+    fast = base.decoder.quantized_copy(kernel=True)
+    slow = base.decoder.quantized_copy(kernel=False)
+    kernel_layers = [m for m in fast.modules() if isinstance(m, VnniLinear)]
+    main_linears = [m for m in base.decoder.layers.modules() if isinstance(m, nn.Linear | PackedLinear)]
+    assert len(kernel_layers) == len(main_linears)  # every projection of every layer
+    main, _ = _teacher_forced(base.decoder, tokens, cross)
+    agree_kernel = float((_teacher_forced(fast, tokens, cross)[0] == main).float().mean())
+    agree_torch = float((_teacher_forced(slow, tokens, cross)[0] == main).float().mean())
+    assert agree_kernel >= 0.85 and agree_kernel >= agree_torch - 0.05
+
+
+@needs_vnni
+def test_single_token_steps_in_one_call_match_the_module_path(
+    base: WhisperModel, speech: tuple[list[int], CrossKV]
+) -> None:
+    """The fused draft step (batch-1 drafting) computes what the module path computes, token by token."""
+    tokens, cross = speech
+    draft = base.decoder.quantized_copy(kernel=True)
+    assert draft.single_step is not None
+    fused, fused_state = _teacher_forced(draft, tokens, cross, one_by_one=True)
+    stack, draft.single_step = draft.single_step, None
+    module, module_state = _teacher_forced(draft, tokens, cross, one_by_one=True)
+    draft.single_step = stack
+    # int8 rounding of activations may flip between the two (their fp32 sums differ in the last bits),
+    # so compare what the draft proposes, not bits.
+    assert float((fused == module).float().mean()) >= 0.9
+    n = len(tokens)
+    for layer in range(len(draft.layers)):
+        for mine, theirs in (
+            (fused_state.cache.keys, module_state.cache.keys),
+            (fused_state.cache.values, module_state.cache.values),
+        ):
+            written, reference = mine[layer][0, :, :n], theirs[layer][0, :, :n]
+            assert float((written - reference).abs().mean()) < 0.05 * float(reference.abs().mean())
+            assert not mine[layer][0, :, n:].any()  # nothing past the fed positions
