@@ -9,6 +9,7 @@ import torch
 from app.engine.assistant import NO_ASSISTANT, SELF_DRAFT, model_draft, self_draft
 from app.engine.draft import Drafter, DraftLength
 from app.engine.transcriber import Engine
+from app.server.heap import heap_trimmer
 from app.settings import Settings
 from app.store.catalog import ModelStore
 from app.store.loader import load_model, resolve_device, resolve_dtype
@@ -30,5 +31,9 @@ def build_engine(settings: Settings, *, progress: bool = True) -> Engine:
     elif settings.assistant != NO_ASSISTANT:
         assistant = load_model(settings.assistant, store, device=device, dtype=dtype, progress=progress)
         drafter = model_draft(main, assistant, length)
+    # Loading, packing and quantizing freed hundreds of MB of temporaries that glibc would keep.
+    trim = heap_trimmer()
+    if trim is not None:
+        trim()
     log.info("engine ready: main=%s assistant=%s", main.name, drafter.name if drafter else None)
     return Engine(main, drafter)

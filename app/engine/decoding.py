@@ -69,7 +69,7 @@ def decode(
 ) -> list[Decoded]:
     """Decode all rows to end-of-text or their length limit; rows leave the batch as they finish."""
     generator = generator or torch.Generator().manual_seed(0)
-    state = DecoderState.start(main.decoder, cross, len(rows))
+    state = DecoderState.start(main.decoder, cross, len(rows), capacity=max(row.max_len for row in rows))
     stats = [RowStats() for _ in rows]
     active = list(range(len(rows)))
     first = True

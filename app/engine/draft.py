@@ -36,12 +36,14 @@ class DraftInputs:
     features [B, n_mels, 3000], main encoder states [B, T, D], main cross-attention K/V.
     audio_frames: how many of the T encoder frames hold audio in the batch's longest row (the rest
     encode the padding of a window shorter than 30 s); None when unknown.
+    capacity: the most tokens a row may hold (sizes the draft's cache); None: the model's limit.
     """
 
     features: Tensor
     encoder_out: Tensor
     main_cross: CrossKV
     audio_frames: int | None = None
+    capacity: int | None = None
 
 
 @dataclass(frozen=True)
@@ -191,15 +193,12 @@ class DecoderDrafter:
             frames = min(frames, inputs.audio_frames + self.audio_margin)
         if self.cross == "main-cross":
             cross = inputs.main_cross
-            if frames < inputs.encoder_out.shape[1]:
-                cross = CrossKV(
-                    [k[:, :, :frames].contiguous() for k in cross.keys],
-                    [v[:, :, :frames].contiguous() for v in cross.values],
-                )
+            if frames < inputs.encoder_out.shape[1]:  # views: a copy would cost memory and time, not speed
+                cross = CrossKV([k[:, :, :frames] for k in cross.keys], [v[:, :, :frames] for v in cross.values])
         elif self.cross == "main-encoder":
             cross = self.decoder.cross_kv(inputs.encoder_out[:, :frames].to(self.decoder.positions.dtype))
         else:
             assert self.encoder_model is not None
             cross = self.decoder.cross_kv(self.encoder_model.encode(inputs.features))
-        state = DecoderState.start(self.decoder, cross, inputs.encoder_out.shape[0])
+        state = DecoderState.start(self.decoder, cross, inputs.encoder_out.shape[0], inputs.capacity)
         return DecoderDraftSession(state, self.length)

@@ -70,12 +70,10 @@ class VnniLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self._ext = ext
-        weight = linear.weight.detach().float()
-        scale = weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-        quantized = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        self.register_buffer("packed", ext.pack(quantized), persistent=False)
-        self.register_buffer("scale", scale.contiguous(), persistent=False)
-        self.register_buffer("row_sum", quantized.sum(dim=1, dtype=torch.int32), persistent=False)
+        packed, scale, row_sum = ext.quantize(linear.weight.detach().float())
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+        self.register_buffer("row_sum", row_sum, persistent=False)
         bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self.register_buffer("bias", bias, persistent=False)
 

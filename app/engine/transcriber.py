@@ -309,7 +309,7 @@ class Engine:
                     encoder_out=inputs.encoder_out.index_select(0, index),
                     main_cross=cross,
                 )
-            session = self.drafter.start(inputs)
+            session = self.drafter.start(replace(inputs, capacity=max(row.max_len for row in rows)))
         return decode(self.main, cross, rows, session, self.generator)
 
     def _row(self, job: _Job, temperature: float) -> Row:

@@ -31,15 +31,40 @@ constexpr int64_t kDepth = 4;  // inputs per lane of one block vector
 
 bool available() { return SPECWHISPER_VNNI == 1; }
 
-// w [N, K] int8 -> [ceil(N/16), K/4, 16, 4] int8 (rows past N are zero).
-torch::Tensor pack(const torch::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kInt8, "pack: expected an int8 [N, K] weight");
+// w [N, K] fp32 -> (packed [ceil(N/16), K/4, 16, 4] int8, scale [N], row sum [N] int32): each row
+// quantized symmetrically by its largest magnitude, straight into the packed layout (rows past N are
+// zero), without fp32 temporaries.
+std::vector<torch::Tensor> quantize(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat, "quantize: expected an fp32 [N, K] weight");
+  auto w = weight.contiguous();
   const int64_t n = w.size(0), k = w.size(1);
-  TORCH_CHECK(k % kDepth == 0, "pack: the input size must be a multiple of 4");
-  const int64_t blocks = (n + kRows - 1) / kRows;
-  auto padded = torch::zeros({blocks * kRows, k}, w.options());
-  padded.narrow(0, 0, n).copy_(w);
-  return padded.view({blocks, kRows, k / kDepth, kDepth}).permute({0, 2, 1, 3}).contiguous();
+  TORCH_CHECK(k % kDepth == 0, "quantize: the input size must be a multiple of 4");
+  const int64_t blocks = (n + kRows - 1) / kRows, depth = k / kDepth;
+  auto packed = torch::zeros({blocks, depth, kRows, kDepth}, torch::kInt8);
+  auto scale = torch::empty({n}, torch::kFloat);
+  auto row_sum = torch::empty({n}, torch::kInt);
+  const float* wp = w.data_ptr<float>();
+  int8_t* pp = packed.data_ptr<int8_t>();
+  float* sp = scale.data_ptr<float>();
+  int32_t* rp = row_sum.data_ptr<int32_t>();
+  at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = wp + r * k;
+      float amax = 0.f;
+      for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
+      const float s = std::max(amax, 1e-12f) / 127.f;
+      sp[r] = s;
+      int32_t sum = 0;
+      int8_t* base = pp + (r / kRows) * depth * kRows * kDepth + (r % kRows) * kDepth;
+      for (int64_t i = 0; i < k; ++i) {
+        const int32_t q = std::clamp(static_cast<int32_t>(std::nearbyint(row[i] / s)), -127, 127);
+        base[(i / kDepth) * kRows * kDepth + i % kDepth] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      rp[r] = sum;
+    }
+  });
+  return {packed, scale, row_sum};
 }
 
 #if SPECWHISPER_VNNI
@@ -158,9 +183,10 @@ void attend(const float* q, const torch::Tensor& keys, const torch::Tensor& valu
   TORCH_CHECK(dh % 16 == 0 && dh <= 128, "attention: head size must be a multiple of 16, at most 128");
   // Few keys (self-attention over the tokens so far): not worth waking the other threads.
   const int64_t grain = len * dh < 32768 ? heads : 1;
+  std::vector<float> probs(static_cast<size_t>(heads * len));  // allocated here, not in the worker threads
   at::parallel_for(0, heads, grain, [&](int64_t h0, int64_t h1) {
-    std::vector<float> p(static_cast<size_t>(len));
     for (int64_t h = h0; h < h1; ++h) {
+      float* p = probs.data() + h * len;
       const float* qh = q + h * dh;
       float top = -INFINITY;
       for (int64_t t = 0; t < len; ++t) {
@@ -264,7 +290,7 @@ class DraftStack {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "True when built for a CPU with AVX-512 VNNI");
-  m.def("pack", &pack, "int8 [N, K] weight -> the packed block layout");
+  m.def("quantize", &quantize, "fp32 [N, K] weight -> (packed int8 blocks, row scales, row sums)");
   m.def("linear", &linear, "y = dequant(quant(x) W^T) + b for a packed int8 W");
 #if SPECWHISPER_VNNI
   pybind11::class_<DraftStack>(m, "DraftStack")
