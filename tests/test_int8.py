@@ -108,8 +108,8 @@ def test_self_draft_runs_on_the_kernel_and_stays_close_to_the_main_decoder(
     fast = base.decoder.quantized_copy(kernel=True)
     slow = base.decoder.quantized_copy(kernel=False)
     kernel_layers = [m for m in fast.modules() if isinstance(m, VnniLinear)]
-    main_linears = [m for m in base.decoder.layers.modules() if isinstance(m, nn.Linear | PackedLinear)]
-    assert len(kernel_layers) == len(main_linears)  # every projection of every layer
+    main_linears = [m for m in base.decoder.modules() if isinstance(m, nn.Linear | PackedLinear)]
+    assert len(kernel_layers) == len(main_linears)  # every product of every layer, and the vocabulary
     main, _ = _teacher_forced(base.decoder, tokens, cross)
     agree_kernel = float((_teacher_forced(fast, tokens, cross)[0] == main).float().mean())
     agree_torch = float((_teacher_forced(slow, tokens, cross)[0] == main).float().mean())

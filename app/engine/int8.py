@@ -47,7 +47,9 @@ def vnni_extension() -> Any | None:
         ext = load(
             name="specwhisper_int8_linear",
             sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native"],
+            # -fopenmp compiles at::parallel_for's pragmas (without it they run on one thread); the
+            # OpenMP runtime is the one torch already loaded: the library links no other.
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
             verbose=False,
         )
     except Exception as exc:  # no compiler, no headers, a failed build: torch's int8 linear serves
