@@ -123,11 +123,11 @@ def test_single_token_steps_in_one_call_match_the_module_path(
     """The fused draft step (batch-1 drafting) computes what the module path computes, token by token."""
     tokens, cross = speech
     draft = base.decoder.quantized_copy(kernel=True)
-    assert draft.single_step is not None
+    assert draft.token_step is not None
     fused, fused_state = _teacher_forced(draft, tokens, cross, one_by_one=True)
-    stack, draft.single_step = draft.single_step, None
+    stack, draft.token_step = draft.token_step, None
     module, module_state = _teacher_forced(draft, tokens, cross, one_by_one=True)
-    draft.single_step = stack
+    draft.token_step = stack
     # int8 rounding of activations may flip between the two (their fp32 sums differ in the last bits),
     # so compare what the draft proposes, not bits.
     assert float((fused == module).float().mean()) >= 0.9
@@ -140,3 +140,37 @@ def test_single_token_steps_in_one_call_match_the_module_path(
             written, reference = mine[layer][0, :, :n], theirs[layer][0, :, :n]
             assert float((written - reference).abs().mean()) < 0.05 * float(reference.abs().mean())
             assert not mine[layer][0, :, n:].any()  # nothing past the fed positions
+
+
+@needs_vnni
+def test_one_call_steps_of_a_ragged_batch_match_the_module_path(
+    base: WhisperModel, speech: tuple[list[int], CrossKV]
+) -> None:
+    """Rows at different positions, one of them idle for a step (padding), through the one-call step."""
+    tokens, cross = speech
+    batch = CrossKV([k.expand(3, -1, -1, -1) for k in cross.keys], [v.expand(3, -1, -1, -1) for v in cross.values])
+    draft = base.decoder.quantized_copy(kernel=True)
+    starts = [4, 9, 6]
+    results = {}
+    for name, step in (("fused", draft.token_step), ("module", None)):
+        draft.token_step = step
+        with torch.inference_mode():
+            state = DecoderState.start(draft, batch, 3, capacity=64)
+            state.feed([tokens[:n] for n in starts])
+            picks = []
+            for i in range(12):
+                feeds = [[tokens[n + i]] if not (r == 2 and i == 3) else [] for r, n in enumerate(starts)]
+                hidden, _ = state.feed(feeds)
+                picks.append(draft.logits(hidden[:, 0]).argmax(-1))
+        results[name] = (torch.stack(picks), state)
+    fused, fused_state = results["fused"]
+    module, module_state = results["module"]
+    assert fused_state.fed == module_state.fed == [16, 21, 17]
+    real = torch.ones_like(fused, dtype=torch.bool)
+    real[3, 2] = False  # the idle row's output is padding
+    assert float((fused == module)[real].float().mean()) >= 0.9
+    for layer in range(len(draft.layers)):
+        for r, n in enumerate(fused_state.fed):
+            written = fused_state.cache.keys[layer][r, :, :n]
+            reference = module_state.cache.keys[layer][r, :, :n]
+            assert float((written - reference).abs().mean()) < 0.05 * float(reference.abs().mean())

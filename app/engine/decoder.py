@@ -131,8 +131,8 @@ class TextDecoder(nn.Module):
         proj = nn.Linear(d_model, vocab, bias=False)
         proj.weight = self.embed.weight
         self.proj: nn.Module = proj  # an int8 module in a drafting copy
-        # A drafting copy on the int8 kernel runs a lone row's lone token through all layers in one call.
-        self.single_step: Callable[[Tensor, int, KVCache, CrossKV], Tensor] | None = None
+        # A drafting copy on the int8 kernel runs one token per row through all layers in one call.
+        self.token_step: Callable[[Tensor, list[int], list[int], KVCache, CrossKV], Tensor] | None = None
 
     @property
     def d_model(self) -> int:
@@ -200,7 +200,7 @@ class TextDecoder(nn.Module):
             layers.append(twin)
         draft.layers = nn.ModuleList(layers)
         draft.proj = int8_twin(cast(nn.Linear | PackedLinear, self.proj), kernel)
-        draft.single_step = VnniDraftStack.build(draft)
+        draft.token_step = VnniDraftStack.build(draft)
         return draft.eval()
 
     def cross_kv(self, encoder_out: Tensor) -> CrossKV:
@@ -236,14 +236,14 @@ class TextDecoder(nn.Module):
         """
         b, s = tokens.shape
         x = self.embed(tokens) + self.positions[positions]
-        if self.single_step is not None and capture is None and b == 1 and s == 1 and bool(real[0, 0]):
-            # One row feeding one token (the draft steps of batch-1 decoding): every layer in one call.
-            step = self.single_step(x[0, 0], int(positions[0, 0]), cache, cross)
-            return self.norm(step.view(1, 1, -1))
+        write = torch.where(real, positions, torch.full_like(positions, cache.scratch))
+        if self.token_step is not None and capture is None and s == 1:
+            # One token per row (every draft step after the first): all layers in one call.
+            step = self.token_step(x[:, 0], positions[:, 0].tolist(), write[:, 0].tolist(), cache, cross)
+            return self.norm(step.unsqueeze(1))
         kv_len = int(positions.max()) + 1
         key_pos = torch.arange(kv_len, device=tokens.device)
         mask = (key_pos.view(1, 1, 1, -1) <= positions.view(b, 1, s, 1)).to(torch.bool)
-        write = torch.where(real, positions, torch.full_like(positions, cache.scratch))
         head_dim = self.d_model // self.n_heads
         write_index = write.view(b, 1, s, 1).expand(b, self.n_heads, s, head_dim)
         for i, layer in enumerate(self.layers):

@@ -5,8 +5,8 @@ Two implementations of the same idea (int8 weights, activations quantized on the
   with torch's C++ extension loader on first use and cached (`TORCH_EXTENSIONS_DIR`). A draft step
   runs ~37 small products one row at a time; torch's dynamic int8 linear spends 15-30 us on each
   whatever its size, this kernel 3-10 us (docs/performance.md).
-- `VnniDraftStack`: the same kernel running all layers of such a draft in one call, for the draft
-  steps of batch-1 decoding (one row, one token): ~150 small torch ops per step become one.
+- `VnniDraftStack`: the same kernel running all layers of such a draft in one call, for draft
+  steps (every row feeds one token): ~150 small torch ops per step become one.
 - `dynamic_int8`: torch's dynamic int8 linear (fbgemm), wherever the kernel cannot be built or run.
 
 Only drafts use them: the main model, which decides every token, keeps its own weights, so the
@@ -16,6 +16,7 @@ choice changes the speed of speculative decoding, never its output.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import platform
 import warnings
@@ -44,8 +45,10 @@ def vnni_extension() -> Any | None:
     try:
         from torch.utils.cpp_extension import load
 
+        # One build folder per source version: two checkouts on one machine must not rebuild each other's.
+        digest = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:12]
         ext = load(
-            name="specwhisper_int8_linear",
+            name=f"specwhisper_int8_{digest}",
             sources=[str(SOURCE)],
             # -fopenmp compiles at::parallel_for's pragmas (without it they run on one thread); the
             # OpenMP runtime is the one torch already loaded: the library links no other.
@@ -111,8 +114,9 @@ def int8_twin(linear: nn.Linear | PackedLinear, kernel: bool = True) -> nn.Modul
 class VnniDraftStack:
     """The layers of an int8 draft decoder whose products all run on the VNNI kernel, as one call.
 
-    For one row feeding one token: x [D] (token + position embedding) -> the last layer's output [D],
-    with that position's keys/values written into `cache` as the module path writes them.
+    For rows feeding one token each: x [B, D] (token + position embeddings) -> the last layer's
+    output [B, D], with those positions' keys/values written into `cache` as the module path
+    writes them.
     """
 
     def __init__(self, decoder: TextDecoder, ext: Any) -> None:
@@ -142,16 +146,17 @@ class VnniDraftStack:
             return None
         return cls(decoder, ext)
 
-    def __call__(self, x: Tensor, position: int, cache: KVCache, cross: CrossKV) -> Tensor:
-        keys, values = self._bf16(cross)
-        return self._stack.step(x, position, cache.keys, cache.values, keys, values)  # type: ignore[no-any-return]
+    def __call__(self, x: Tensor, positions: list[int], writes: list[int], cache: KVCache, cross: CrossKV) -> Tensor:
+        """x [B, D] -> [B, D]; row b sits at positions[b] and writes its keys/values at slot writes[b]."""
+        keys, values = self._bf16(cross) if x.shape[0] == 1 else (cross.keys, cross.values)
+        return self._stack.step(x, positions, writes, cache.keys, cache.values, keys, values)  # type: ignore[no-any-return]
 
     def _bf16(self, cross: CrossKV) -> tuple[list[Tensor], list[Tensor]]:
-        """bfloat16 copies of the audio frames' keys/values, made once per request (the last kept).
+        """bfloat16 copies of one row's audio-frame keys/values, made once per request (the last kept).
 
         A draft step reads them all from memory (the weights push them out of the cache between
-        steps): half the bytes of fp32 saved ~0.3 ms per step at 600 frames. Drafts only: the main
-        model keeps its fp32 keys/values.
+        steps): half the bytes of fp32 saved ~0.3 ms per step at 600 frames. Batches read the fp32
+        views instead, which costs no memory. Drafts only: the main model keeps its fp32 keys/values.
         """
         if self._bf16_of is None or self._bf16_of() is not cross:
             self._bf16_copy = (

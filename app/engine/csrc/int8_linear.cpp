@@ -253,8 +253,8 @@ void attend(const float* q, const torch::Tensor& keys, const torch::Tensor& valu
   }
 }
 
-// The layers of an int8 self-draft for one row feeding one token: the draft step of batch-1 decoding in
-// one call instead of ~150 small torch ops. Same arithmetic as the module path, same int8 products.
+// The layers of an int8 self-draft for rows feeding one token each: a draft step in one call instead
+// of ~150 small torch ops. Same arithmetic as the module path, same int8 products.
 class DraftStack {
  public:
   // Per layer, in order: norm1 w/b, qkv (packed, scale, row sum, bias), self out (4), norm2 w/b,
@@ -264,49 +264,67 @@ class DraftStack {
     for (const auto& t : params_) TORCH_CHECK(t.size() == 30, "draft stack: 30 tensors per layer");
   }
 
-  // x [D] (token + position embedding) -> the last layer's output [D]; writes this position's
-  // keys/values into each layer's cache [1, H, C, Dh] at `pos` and attends over 0..pos.
-  torch::Tensor step(const torch::Tensor& x, int64_t pos, const std::vector<torch::Tensor>& cache_k,
-                     const std::vector<torch::Tensor>& cache_v, const std::vector<torch::Tensor>& cross_k,
-                     const std::vector<torch::Tensor>& cross_v) const {
-    const int64_t d = x.numel();
+  // x [B, D] (token + position embeddings, one token per row) -> the last layer's output [B, D].
+  // Row b writes its keys/values into each layer's cache [B, H, C, Dh] at slot writes[b] (its
+  // position, or the scratch slot for a padding row) and attends over positions 0..positions[b].
+  torch::Tensor step(const torch::Tensor& x, const std::vector<int64_t>& positions, const std::vector<int64_t>& writes,
+                     const std::vector<torch::Tensor>& cache_k, const std::vector<torch::Tensor>& cache_v,
+                     const std::vector<torch::Tensor>& cross_k, const std::vector<torch::Tensor>& cross_v) const {
+    TORCH_CHECK(x.dim() == 2, "draft stack: x must be [B, D]");
+    const int64_t rows = x.size(0), d = x.size(1), dh = d / heads_;
+    TORCH_CHECK(static_cast<int64_t>(positions.size()) == rows && static_cast<int64_t>(writes.size()) == rows,
+                "draft stack: one position and one write slot per row");
     TORCH_CHECK(cache_k.size() == params_.size() && cross_k.size() == params_.size(), "draft stack: one cache per layer");
     auto out = x.to(torch::kFloat).contiguous().clone();
     float* xs = out.data_ptr<float>();
-    std::vector<float> h(d), qkv(3 * d), att(d), tmp(d), ff;
+    std::vector<float> h(rows * d), qkv(rows * 3 * d), att(rows * d), tmp(rows * d), ff;
+    const auto residual = [&]() {
+      for (int64_t i = 0; i < rows * d; ++i) xs[i] += tmp[i];
+    };
+    const auto norm = [&](const torch::Tensor& w, const torch::Tensor& b) {
+      for (int64_t r = 0; r < rows; ++r)
+        layer_norm(xs + r * d, w.data_ptr<float>(), b.data_ptr<float>(), d, eps_, h.data() + r * d);
+    };
     for (size_t l = 0; l < params_.size(); ++l) {
       const auto& t = params_[l];
       const Packed qkv_w = pack_of(t, 2), self_out = pack_of(t, 6), cross_q = pack_of(t, 12),
                    cross_out = pack_of(t, 16), fc1 = pack_of(t, 22), fc2 = pack_of(t, 26);
       // self-attention over the cache
-      layer_norm(xs, t[0].data_ptr<float>(), t[1].data_ptr<float>(), d, eps_, h.data());
-      qlinear(h.data(), 1, qkv_w, qkv.data());
+      norm(t[0], t[1]);
+      qlinear(h.data(), rows, qkv_w, qkv.data());
       const auto& ck = cache_k[l];
       const auto& cv = cache_v[l];
-      TORCH_CHECK(pos < ck.size(2) && ck.stride(3) == 1 && cv.stride(3) == 1, "draft stack: bad cache");
-      const int64_t dh = d / heads_;
+      TORCH_CHECK(ck.size(0) == rows && ck.stride(3) == 1 && cv.stride(3) == 1, "draft stack: bad cache");
       float* ckp = ck.data_ptr<float>();
       float* cvp = cv.data_ptr<float>();
-      for (int64_t hh = 0; hh < heads_; ++hh) {
-        std::copy_n(qkv.data() + d + hh * dh, dh, ckp + hh * ck.stride(1) + pos * ck.stride(2));
-        std::copy_n(qkv.data() + 2 * d + hh * dh, dh, cvp + hh * cv.stride(1) + pos * cv.stride(2));
+      for (int64_t r = 0; r < rows; ++r) {
+        TORCH_CHECK(writes[r] < ck.size(2) && positions[r] < ck.size(2), "draft stack: position past the cache");
+        const float* row = qkv.data() + r * 3 * d;
+        for (int64_t hh = 0; hh < heads_; ++hh) {
+          std::copy_n(row + d + hh * dh, dh, ckp + r * ck.stride(0) + hh * ck.stride(1) + writes[r] * ck.stride(2));
+          std::copy_n(row + 2 * d + hh * dh, dh, cvp + r * cv.stride(0) + hh * cv.stride(1) + writes[r] * cv.stride(2));
+        }
       }
-      attend(qkv.data(), ck, cv, pos + 1, heads_, att.data());
-      qlinear(att.data(), 1, self_out, tmp.data());
-      for (int64_t i = 0; i < d; ++i) xs[i] += tmp[i];
+      for (int64_t r = 0; r < rows; ++r)
+        attend(qkv.data() + r * 3 * d, ck.narrow(0, r, 1), cv.narrow(0, r, 1), positions[r] + 1, heads_,
+               att.data() + r * d);
+      qlinear(att.data(), rows, self_out, tmp.data());
+      residual();
       // cross-attention over the audio frames
-      layer_norm(xs, t[10].data_ptr<float>(), t[11].data_ptr<float>(), d, eps_, h.data());
-      qlinear(h.data(), 1, cross_q, qkv.data());
-      attend(qkv.data(), cross_k[l], cross_v[l], cross_k[l].size(2), heads_, att.data());
-      qlinear(att.data(), 1, cross_out, tmp.data());
-      for (int64_t i = 0; i < d; ++i) xs[i] += tmp[i];
+      norm(t[10], t[11]);
+      qlinear(h.data(), rows, cross_q, qkv.data());
+      for (int64_t r = 0; r < rows; ++r)
+        attend(qkv.data() + r * d, cross_k[l].narrow(0, r, 1), cross_v[l].narrow(0, r, 1), cross_k[l].size(2), heads_,
+               att.data() + r * d);
+      qlinear(att.data(), rows, cross_out, tmp.data());
+      residual();
       // feed-forward (exact GELU, as Whisper's)
-      layer_norm(xs, t[20].data_ptr<float>(), t[21].data_ptr<float>(), d, eps_, h.data());
-      ff.resize(static_cast<size_t>(fc1.n));
-      qlinear(h.data(), 1, fc1, ff.data());
+      norm(t[20], t[21]);
+      ff.resize(static_cast<size_t>(rows * fc1.n));
+      qlinear(h.data(), rows, fc1, ff.data());
       for (auto& v : ff) v = 0.5f * v * (1.f + std::erf(v * static_cast<float>(M_SQRT1_2)));
-      qlinear(ff.data(), 1, fc2, tmp.data());
-      for (int64_t i = 0; i < d; ++i) xs[i] += tmp[i];
+      qlinear(ff.data(), rows, fc2, tmp.data());
+      residual();
     }
     return out;
   }
