@@ -11,8 +11,10 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
+import numpy as np
+
 from app.engine.adaptive import ModePolicy
-from app.engine.transcriber import Engine, InvalidRequestError, Segment
+from app.engine.transcriber import DecodingOptions, Engine, InvalidRequestError, Segment
 from app.server.heap import heap_trimmer
 from app.server.protocol import BatchRequest, BatchResult, Cancel, Job, JobResult, Progress, Ready
 from app.settings import Settings
@@ -112,6 +114,19 @@ class Inbox:
         return request_id in self._cancelled
 
 
+def warm_up(engine: Engine) -> None:
+    """One second of a tone through each mode before the first request.
+
+    First calls pay one-off costs (thread pools, kernel set-up, allocator growth). Without this the
+    first request of each mode paid them, and the speculation policy, which trusts its first
+    measurement of each mode, took a cold speculative batch for the slower mode.
+    """
+    t = np.arange(16000, dtype=np.float32) / 16000
+    tone = (0.1 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+    for use in (True, False):
+        engine.transcribe([tone], [DecodingOptions(language="en", use_assistant=use)])
+
+
 def worker_main(settings: Settings, conn: Connection) -> None:
     """Entry point of the worker process (spawned)."""
     from app.runtime import build_engine
@@ -120,6 +135,7 @@ def worker_main(settings: Settings, conn: Connection) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.perf_counter()
     engine = build_engine(settings, progress=False)
+    warm_up(engine)
     drafter = engine.drafter.name if engine.drafter else None
     trim = heap_trimmer() if settings.worker_heap_trim else None
     inbox = Inbox(conn)
