@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -81,7 +82,8 @@ Packed unpack(const torch::Tensor& packed, const torch::Tensor& scale, const tor
               const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(packed.scalar_type() == torch::kInt8 && packed.dim() == 4 && packed.is_contiguous(),
               "int8 linear: expected a packed int8 weight");
-  const float* bp = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
+  const bool has_bias = bias.has_value() && bias->defined() && bias->numel() > 0;  // empty: no bias
+  const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
   return {packed.data_ptr<int8_t>(), scale.data_ptr<float>(), row_sum.data_ptr<int32_t>(), bp, scale.size(0),
           packed.size(1) * kDepth};
 }
@@ -159,7 +161,6 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
 }
 
 #if SPECWHISPER_VNNI
-const float* data_or_null(const torch::Tensor& t) { return t.numel() ? t.data_ptr<float>() : nullptr; }
 
 void layer_norm(const float* x, const float* w, const float* b, int64_t d, float eps, float* y) {
   float mean = 0.f, var = 0.f;
@@ -261,7 +262,11 @@ class DraftStack {
   // cross q (4), cross out (4), norm3 w/b, fc1 (4), fc2 (4); an empty tensor is a missing bias.
   DraftStack(std::vector<std::vector<torch::Tensor>> layers, int64_t heads, double eps)
       : params_(std::move(layers)), heads_(heads), eps_(static_cast<float>(eps)) {
-    for (const auto& t : params_) TORCH_CHECK(t.size() == 30, "draft stack: 30 tensors per layer");
+    for (const auto& t : params_) {
+      TORCH_CHECK(t.size() == 30, "draft stack: 30 tensors per layer");
+      const auto at = [&t](size_t i) { return unpack(t[i], t[i + 1], t[i + 2], t[i + 3]); };
+      products_.push_back({at(2), at(6), at(12), at(16), at(22), at(26)});
+    }
   }
 
   // x [B, D] (token + position embeddings, one token per row) -> the last layer's output [B, D].
@@ -287,8 +292,7 @@ class DraftStack {
     };
     for (size_t l = 0; l < params_.size(); ++l) {
       const auto& t = params_[l];
-      const Packed qkv_w = pack_of(t, 2), self_out = pack_of(t, 6), cross_q = pack_of(t, 12),
-                   cross_out = pack_of(t, 16), fc1 = pack_of(t, 22), fc2 = pack_of(t, 26);
+      const auto& [qkv_w, self_out, cross_q, cross_out, fc1, fc2] = products_[l];
       // self-attention over the cache
       norm(t[0], t[1]);
       qlinear(h.data(), rows, qkv_w, qkv.data());
@@ -330,12 +334,8 @@ class DraftStack {
   }
 
  private:
-  static Packed pack_of(const std::vector<torch::Tensor>& t, size_t i) {
-    return {t[i].data_ptr<int8_t>(), t[i + 1].data_ptr<float>(), t[i + 2].data_ptr<int32_t>(), data_or_null(t[i + 3]),
-            t[i + 1].size(0), t[i].size(1) * kDepth};
-  }
-
-  std::vector<std::vector<torch::Tensor>> params_;
+  std::vector<std::vector<torch::Tensor>> params_;  // owns what products_ points into
+  std::vector<std::array<Packed, 6>> products_;     // per layer: qkv, self out, cross q, cross out, fc1, fc2
   int64_t heads_;
   float eps_;
 };
