@@ -4,7 +4,8 @@ For each mode (`adaptive`, `always`, `never`) a server is started with that `spe
 for each concurrency c, c clients keep uploads in flight (the `limit` shortest English clips of the
 manifest up to 30 s, round robin) until
 `requests_per_client * c` answers are in. The servers run side by side and the modes take turns,
-`rounds` times per level; each level reports the round with the median throughput. Every answer's
+`rounds` times per level, each mode leading one round in turn; each level reports the round with
+the median throughput and the range over the rounds. Every answer's
 text is checked against the first answer for the same clip (all modes decode greedily: the texts
 must be identical).
 """
@@ -69,9 +70,11 @@ async def _level(url: str, clips: list[Clip], concurrency: int, total: int) -> d
 
 
 def _median(levels: list[dict[str, Any]]) -> dict[str, Any]:
-    """The round with the median throughput (its own latencies and mode fractions kept together)."""
+    """The round with the median throughput (its own latencies and mode fractions kept together),
+    and the lowest and highest throughput of the rounds: the run-to-run spread."""
     ranked = sorted(levels, key=lambda level: level["throughput_audio_s_per_s"])
-    return {**ranked[len(ranked) // 2], "rounds": len(levels)}
+    spread = [ranked[0]["throughput_audio_s_per_s"], ranked[-1]["throughput_audio_s_per_s"]]
+    return {**ranked[len(ranked) // 2], "rounds": len(levels), "throughput_range": spread}
 
 
 def run_server_bench(
@@ -97,8 +100,9 @@ def run_server_bench(
             asyncio.run(_level(server.url, clips[:2], 1, 2))  # warm-up
         for c in concurrency:
             runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
-            for _ in range(rounds):
-                for mode, server in servers.items():
+            for r in range(rounds):
+                order = list(servers.items())
+                for mode, server in order[r % len(order) :] + order[: r % len(order)]:  # each mode leads a round
                     level = asyncio.run(_level(server.url, clips, c, max(len(clips), requests_per_client * c)))
                     for clip_id, text in level.pop("texts").items():
                         if reference.setdefault(clip_id, text) != text:

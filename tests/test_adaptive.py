@@ -6,16 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from app.engine.adaptive import ModePolicy
+from app.engine.adaptive import BatchCost, ModePolicy
 from app.serverbench import run_server_bench
 
 
 def run(policy: ModePolicy, batch: int, cost: dict[str, float], batches: int) -> list[str]:
+    """`batches` batches of 50 plain passes each, at the given seconds per plain pass of each mode."""
     chosen = []
     for _ in range(batches):
         mode = policy.choose(batch)
         chosen.append(mode)
-        policy.observe(mode, batch, decode_seconds=cost[mode] * 50, tokens=50)
+        policy.observe(mode, batch, BatchCost(seconds=cost[mode] * 50, plain_passes=50))
     return chosen
 
 
@@ -30,6 +31,43 @@ def test_follows_the_cheaper_mode_per_batch_size_and_keeps_exploring() -> None:
     assert small.count("speculative") >= 95 and large.count("plain") >= 95
     assert "plain" in small[50:] and "speculative" in large[50:]  # estimates stay fresh
     assert 85 <= close.count("speculative") <= 92  # a close call is re-checked more often
+
+
+def test_batch_cost_counts_the_longest_rows_plain_passes() -> None:
+    # Plain decoding spends one pass per token and one on each window's end; rows run in lockstep.
+    assert BatchCost.of(0.5, [(12, 1), (30, 2), (7, 1)]) == BatchCost(0.5, 32)
+
+
+def test_short_clips_do_not_decide_the_verdict() -> None:
+    """Speculation is cheaper on every clip, but least so on short ones, where the prompt and the
+    end-of-text pass weigh most. Per generated token, a short clip run speculatively looks dearer
+    than a long clip run plainly; per plain pass of its own content it does not."""
+    clips = [  # (tokens, plain seconds, speculative seconds): 10 ms per plain pass
+        (2, 0.030, 0.027),  # short: speculation saves 10%
+        (40, 0.410, 0.205),  # long: it saves half
+    ]
+    policy = ModePolicy()
+    chosen, spent = [], 0.0
+    for i in range(200):
+        tokens, plain, spec = clips[i % 2]
+        mode = policy.choose(1)
+        seconds = spec if mode == "speculative" else plain
+        policy.observe(mode, 1, BatchCost.of(seconds, [(tokens, 1)]))
+        chosen.append(mode)
+        spent += seconds
+    assert chosen[:6] == ["speculative", "plain"] * 3  # learning: the first batch of each mode is set aside
+    assert chosen[6:].count("speculative") >= 180
+    assert spent < 100 * (0.030 + 0.410) * 0.6  # within a few batches of always speculative (0.53)
+
+
+def test_first_batch_of_a_mode_at_a_size_is_set_aside() -> None:
+    policy = ModePolicy(warmup=1)
+    cold = {"speculative": 0.03, "plain": 0.02}  # one-off costs make speculation look slower at first
+    warm = {"speculative": 0.01, "plain": 0.02}
+    first = run(policy, 1, cold, 2)
+    later = run(policy, 1, warm, 50)
+    assert first == ["speculative", "plain"] and later[:2] == ["speculative", "plain"]
+    assert later[2:].count("speculative") >= 45
 
 
 def test_switches_when_costs_change() -> None:
@@ -57,5 +95,8 @@ def test_server_bench_compares_modes_through_real_servers(benchdata: Path) -> No
     assert all(level["speculative_fraction"] == 1 for level in modes["always"])
     assert all(level["speculative_fraction"] == 0 for level in modes["never"])
     assert all(level["throughput_audio_s_per_s"] > 0 and level["p50_latency_s"] > 0 for level in modes["adaptive"])
+    for level in modes["adaptive"]:
+        low, high = level["throughput_range"]
+        assert low <= level["throughput_audio_s_per_s"] <= high
     assert [r["concurrency"] for r in report["ratios"]] == [1, 2]
     assert all(r["adaptive_vs_best_fixed"] > 0 for r in report["ratios"])

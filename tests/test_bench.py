@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from app.bench import select_clips
+
 
 def test_bench_reports_identical_tokens_and_ratios(benchdata: Path, tmp_path: Path) -> None:
     out_json = tmp_path / "bench.json"
@@ -53,7 +55,25 @@ def test_bench_reports_identical_tokens_and_ratios(benchdata: Path, tmp_path: Pa
     assert report["wer_main"] == report["wer_spec"] < 0.5  # same tokens, same text, real transcripts
     assert 0.0 < report["acceptance_rate"] <= 1.0 and report["decode_speedup"] > 0
     assert report["batches"]["2"]["identical"] is True
+    # Both modes share the encoder: speculation cannot take a request below that share.
+    assert report["e2e_ceiling"] > 1 and report["batches"]["2"]["throughput_ceiling"] > 1
+    assert report["batches"]["2"]["decode_ratio"] > 0
     assert set(report["languages"]) <= {"en", "es"}
     rss = report["peak_rss_mb"]  # each mode in its own process: the assistant's own footprint
     assert rss["main_only"] > 100 and rss["speculative"] > rss["main_only"]
     assert rss["assistant_share"] == pytest.approx((rss["speculative"] - rss["main_only"]) / rss["main_only"])
+
+
+def test_clip_selection_by_language_subset_and_length(benchdata: Path) -> None:
+    manifest = benchdata / "manifest.jsonl"
+    entries = [json.loads(line) for line in manifest.read_text().splitlines() if line.strip()]
+    short = select_clips(manifest, {"en"}, None)
+    assert short and all(e["language"] == "en" and e["duration_s"] <= 30 for e in short)
+    assert len(short) == sum(e["language"] == "en" and e["duration_s"] <= 30 for e in entries)
+    long = select_clips(manifest, None, None, subset="long")
+    assert long and all(e["subset"] == "long" and e["duration_s"] > 60 for e in long)
+    assert [e["id"] for e in select_clips(manifest, {"de"}, 2, subset="short")] == [
+        e["id"] for e in entries if e["language"] == "de"
+    ][:2]
+    with pytest.raises(ValueError, match="no clips"):
+        select_clips(manifest, {"en"}, None, max_seconds=0.5)

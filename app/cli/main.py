@@ -97,6 +97,8 @@ def _bench(args: argparse.Namespace) -> int:
         languages=languages,
         limit=args.limit,
         batches=batches,
+        max_seconds=args.max_seconds,
+        subset=args.subset,
         settings=settings,
         rss_split=not args.no_rss_split,
         compare_hf=args.compare_hf,
@@ -155,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--manifest", type=Path, required=True, help="benchdata manifest.jsonl")
     bench.add_argument("--languages", help="comma-separated language codes")
     bench.add_argument("--limit", type=int, help="at most N clips")
+    bench.add_argument("--subset", choices=["short", "long"], help="only the manifest's short or long-form clips")
+    bench.add_argument(
+        "--max-seconds", type=float, help="longest clip taken (default 30 s, one window; unbounded with --subset long)"
+    )
     bench.add_argument("--batch", help="batch sizes for throughput, e.g. 1,2,4")
     bench.add_argument("--json", type=Path, help="write the full report here")
     bench.add_argument("--concurrency", help="through the server instead: concurrent clients per level, e.g. 1,4,8,16")

@@ -1,11 +1,18 @@
 """Choosing per batch between speculative and plain batched greedy decoding, from measured costs.
 
 Speculation pays at small batches and stops paying as batches grow (the main model's verify pass
-gets as expensive as the work it saves). Rather than a fixed cut-off, the policy measures: for
-every batch size it keeps a running (exponentially weighted) decode cost per generated token of
-each mode, picks the cheaper one, and now and then runs the other one so that its estimate
-follows changes in content, acceptance and machine load. Both modes give the same tokens
-(greedy), so the choice only moves time.
+gets as expensive as the work it saves). Rather than a fixed cut-off, the policy measures, per
+batch size, what each mode costs for a given amount of content, picks the cheaper one, and now
+and then runs the other one so that its estimates follow changes in content, acceptance and
+machine load. Both modes give the same tokens (greedy), so the choice only moves time.
+
+The unit of content is the plain pass: how many batched main forward passes plain decoding needs
+for a batch (its longest row's tokens plus one end-of-text per window). Both modes yield the same
+tokens, so this is known after a batch in either mode. Plain decoding costs nearly the same per
+pass whatever the clip, so its estimate settles after one batch; a speculative batch's cost per
+plain pass is its speed relative to plain decoding on that very content. Seconds per generated
+token, the obvious measure, mixes in how short the clips were (a short clip spends a larger share
+of its passes on the prompt and end-of-text), so a few short clips could decide the verdict.
 """
 
 from __future__ import annotations
@@ -16,36 +23,68 @@ from typing import Literal
 Mode = Literal["speculative", "plain"]
 Speculation = Literal["adaptive", "always", "never"]
 SPECULATION_MODES: tuple[str, ...] = ("adaptive", "always", "never")
+MODES: tuple[Mode, Mode] = ("speculative", "plain")
+
+
+@dataclass(frozen=True)
+class BatchCost:
+    """One finished batch: its decoding seconds and its content in plain passes (see the module doc)."""
+
+    seconds: float
+    plain_passes: int
+
+    @classmethod
+    def of(cls, seconds: float, rows: list[tuple[int, int]]) -> BatchCost:
+        """From each row's (tokens generated, windows decoded); its rows run in lockstep."""
+        return cls(seconds, max((tokens + windows for tokens, windows in rows), default=0))
 
 
 @dataclass
-class _Estimate:
-    cost: float = 0.0  # seconds of decoding per generated token (EWMA)
-    samples: int = 0
+class _Rate:
+    """Seconds per plain pass as a ratio of exponentially decayed sums (a new batch weighs `weight`).
 
-    def add(self, value: float, weight: float) -> None:
-        self.cost = value if self.samples == 0 else (1 - weight) * self.cost + weight * value
+    The first batch is set aside: the first batch of a mode at a batch size pays one-off costs
+    (wider caches, new shapes), which made it read up to three times slower than the next ones.
+    """
+
+    weight: float
+    seconds: float = 0.0
+    passes: float = 0.0
+    samples: int = 0
+    seen: int = 0
+
+    def add(self, cost: BatchCost) -> None:
+        self.seen += 1
+        if self.seen == 1:
+            return
+        keep = 1 - self.weight if self.samples else 0.0
+        self.seconds = keep * self.seconds + cost.seconds
+        self.passes = keep * self.passes + cost.plain_passes
         self.samples += 1
+
+    @property
+    def value(self) -> float:
+        return self.seconds / self.passes if self.passes > 0 else 0.0
 
 
 @dataclass
 class ModePolicy:
     """Per-batch-size cost estimates of both modes, and the choice they imply.
 
-    warmup: batches of each mode measured at a batch size before its estimates are trusted. A batch
-        size seen for the first time borrows the verdict of the nearest measured size, then measures
-        the mode it did not run, so learning a new size costs at most one batch in the slower mode.
+    warmup: batches of each mode measured at a batch size (after the first, set aside) before its
+        estimates are trusted. A batch size seen for the first time borrows the verdict of the
+        nearest trusted size, then measures both modes.
     explore_every: once trusted, every n-th batch at a size runs the mode that lost (every 4n-th when
         it lost by more than `clear_margin`), so the estimates follow content and load.
-    weight: EWMA weight of a new measurement.
+    weight: weight of a new batch in its mode's estimate (older batches fade geometrically).
     """
 
     speculation: Speculation = "adaptive"
-    warmup: int = 1
+    warmup: int = 2
     explore_every: int = 10
     clear_margin: float = 1.25
-    weight: float = 0.3
-    _estimates: dict[tuple[Mode, int], _Estimate] = field(default_factory=dict)
+    weight: float = 0.2
+    _rates: dict[tuple[Mode, int], _Rate] = field(default_factory=dict)
     _batches: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -54,15 +93,15 @@ class ModePolicy:
         if self.warmup < 1 or self.explore_every < 2 or not 0 < self.weight <= 1 or self.clear_margin < 1:
             raise ValueError("need warmup >= 1, explore_every >= 2, 0 < weight <= 1 and clear_margin >= 1")
 
-    def estimate(self, mode: Mode, batch: int) -> _Estimate:
-        return self._estimates.setdefault((mode, batch), _Estimate())
+    def rate(self, mode: Mode, batch: int) -> _Rate:
+        return self._rates.setdefault((mode, batch), _Rate(self.weight))
 
     def _trusted(self, batch: int) -> bool:
-        return min(self.estimate("speculative", batch).samples, self.estimate("plain", batch).samples) >= self.warmup
+        return all(self.rate(mode, batch).samples >= self.warmup for mode in MODES)
 
     def _verdict(self, batch: int) -> tuple[Mode, float]:
         """The cheaper mode at `batch` and how many times cheaper it is."""
-        spec, plain = self.estimate("speculative", batch).cost, self.estimate("plain", batch).cost
+        spec, plain = self.rate("speculative", batch).value, self.rate("plain", batch).value
         if spec <= plain:
             return "speculative", plain / max(spec, 1e-12)
         return "plain", spec / max(plain, 1e-12)
@@ -75,26 +114,26 @@ class ModePolicy:
             return "plain"
         n = self._batches.get(batch, 0)
         self._batches[batch] = n + 1
-        spec, plain = self.estimate("speculative", batch), self.estimate("plain", batch)
         if not self._trusted(batch):
-            if spec.samples or plain.samples:  # measure the mode not yet run at this size
-                return "speculative" if spec.samples < self.warmup else "plain"
-            known = sorted((abs(b - batch), b) for (_, b) in self._estimates if b != batch and self._trusted(b))
-            return self._verdict(known[0][1])[0] if known else "speculative"
+            counts = {mode: self.rate(mode, batch).seen for mode in MODES}
+            known = sorted((abs(b - batch), b) for (_, b) in self._rates if b != batch and self._trusted(b))
+            if known and not any(counts.values()):
+                return self._verdict(known[0][1])[0]
+            return min(MODES, key=lambda mode: counts[mode])  # ties: speculative first
         best, margin = self._verdict(batch)
         period = self.explore_every * (4 if margin > self.clear_margin else 1)
         if n % period == period - 1:
             return "plain" if best == "speculative" else "speculative"
         return best
 
-    def observe(self, mode: Mode, batch: int, decode_seconds: float, tokens: int) -> None:
-        """Record a finished batch: its decoding time and the tokens it generated."""
-        if tokens > 0 and decode_seconds > 0:
-            self.estimate(mode, batch).add(decode_seconds / tokens, self.weight)
+    def observe(self, mode: Mode, batch: int, cost: BatchCost) -> None:
+        """Record a finished batch of `batch` rows decoded in `mode`."""
+        if cost.seconds > 0 and cost.plain_passes > 0:
+            self.rate(mode, batch).add(cost)
 
     def snapshot(self) -> dict[str, dict[str, float]]:
-        """Current estimates, e.g. for logs: {"speculative@1": {"ms_per_token": .., "samples": ..}, ...}."""
+        """Current estimates, e.g. for logs: {"speculative@1": {"ms_per_plain_pass": .., "samples": ..}, ...}."""
         return {
-            f"{mode}@{batch}": {"ms_per_token": round(e.cost * 1000, 3), "samples": e.samples}
-            for (mode, batch), e in sorted(self._estimates.items(), key=lambda kv: (kv[0][1], kv[0][0]))
+            f"{mode}@{batch}": {"ms_per_plain_pass": round(r.value * 1000, 3), "samples": r.samples}
+            for (mode, batch), r in sorted(self._rates.items(), key=lambda kv: (kv[0][1], kv[0][0]))
         }

@@ -13,7 +13,7 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from app.engine.adaptive import ModePolicy
+from app.engine.adaptive import BatchCost, ModePolicy
 from app.engine.transcriber import DecodingOptions, Engine, InvalidRequestError, Segment
 from app.server.heap import heap_trimmer
 from app.server.protocol import BatchRequest, BatchResult, Cancel, Job, JobResult, Progress, Ready
@@ -74,7 +74,8 @@ class BatchRunner:
             return {j.request_id: JobResult(j.request_id, error=f"internal error: {exc}", internal=True) for j in jobs}
         if eligible:
             decode_s = max(t.metrics.decode_ms for t in out) / 1000  # the batch's rows share the decode time
-            self.policy.observe(mode, len(jobs), decode_s, sum(t.metrics.tokens for t in out))
+            cost = BatchCost.of(decode_s, [(t.metrics.tokens, t.metrics.windows) for t in out])
+            self.policy.observe(mode, len(jobs), cost)
         return {j.request_id: JobResult(j.request_id, transcription=t) for j, t in zip(jobs, out, strict=True)}
 
 
@@ -114,17 +115,18 @@ class Inbox:
         return request_id in self._cancelled
 
 
-def warm_up(engine: Engine) -> None:
-    """One second of a tone through each mode before the first request.
+def warm_up(engine: Engine, max_batch: int = 1) -> None:
+    """One second of a tone through each mode, alone and in a batch of `max_batch`, before the first request.
 
-    First calls pay one-off costs (thread pools, kernel set-up, allocator growth). Without this the
-    first request of each mode paid them, and the speculation policy, which trusts its first
-    measurement of each mode, took a cold speculative batch for the slower mode.
+    First calls pay one-off costs (thread pools, kernel set-up, allocator growth, wider caches),
+    and they are paid again at each new batch width: a first speculative batch of four ran three
+    times slower than the next. Paid here, they no longer fall on the first requests.
     """
     t = np.arange(16000, dtype=np.float32) / 16000
     tone = (0.1 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
-    for use in (True, False):
-        engine.transcribe([tone], [DecodingOptions(language="en", use_assistant=use)])
+    for batch in sorted({1, max_batch}):
+        for use in (True, False):
+            engine.transcribe([tone] * batch, [DecodingOptions(language="en", use_assistant=use)] * batch)
 
 
 def worker_main(settings: Settings, conn: Connection) -> None:
@@ -135,7 +137,7 @@ def worker_main(settings: Settings, conn: Connection) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.perf_counter()
     engine = build_engine(settings, progress=False)
-    warm_up(engine)
+    warm_up(engine, settings.max_batch)
     drafter = engine.drafter.name if engine.drafter else None
     trim = heap_trimmer() if settings.worker_heap_trim else None
     inbox = Inbox(conn)
