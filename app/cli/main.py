@@ -74,6 +74,8 @@ def _bench_server(args: argparse.Namespace) -> int:
         [int(c) for c in args.concurrency.split(",")],
         modes=args.modes.split(","),
         limit=args.limit or 8,
+        requests_per_client=args.requests_per_client,
+        rounds=args.rounds,
     )
     print(json.dumps(report, indent=2))
     if args.json:
@@ -167,6 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--modes", default="adaptive,always,never", help="with --concurrency: the speculation settings compared"
     )
+    bench.add_argument(
+        "--requests-per-client",
+        type=int,
+        default=2,
+        help="with --concurrency: answers per client in a round (at least one per clip)",
+    )
+    bench.add_argument("--rounds", type=int, default=3, help="with --concurrency: rounds per mode and level")
     bench.add_argument("--plot", type=Path, help="write a PNG of per-clip speedup vs acceptance")
     bench.add_argument(
         "--compare-hf", action="store_true", help="also transformers' generate(), plain and assistant_model="

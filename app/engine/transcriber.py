@@ -291,7 +291,7 @@ class Engine:
         for i, job in enumerate(jobs):
             result = results[i]
             assert result is not None
-            self._consume(job, result[0], result[1], cross.select(torch.tensor([i])))
+            self._consume(job, result[0], result[1], cross, i)
             job.counters.encode_s += t1 - t0
             job.counters.decode_s += t2 - t1
             job.counters.windows += 1
@@ -344,7 +344,8 @@ class Engine:
         return (fallback or low_logprob) and not (silent and low_logprob)
 
     # -- turning a decoded window into segments -------------------------------------------------
-    def _consume(self, job: _Job, d: Decoded, temperature: float, cross: CrossKV) -> None:
+    def _consume(self, job: _Job, d: Decoded, temperature: float, cross: CrossKV, row: int) -> None:
+        """Turn row `row` of the window's batch (`cross`: the batch's keys/values) into the job's segments."""
         tok = self.main.tokenizer
         opts = job.options
         size = job.segment_frames
@@ -413,7 +414,8 @@ class Engine:
                 )
             )
         if opts.timestamps == "word":
-            self._add_words(job, cross, size, offset, first_new=before)
+            # Only word alignment reads the audio again: one row's copy (~37 MB for base) only then.
+            self._add_words(job, cross.select(torch.tensor([row])), size, offset, first_new=before)
         job.all_tokens.extend(t for _, _, part in spans for t in part)
         if not opts.condition_on_previous_text or temperature > 0.5:
             job.prompt_reset = len(job.all_tokens)
