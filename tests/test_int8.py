@@ -147,6 +147,34 @@ def test_single_token_steps_in_one_call_match_the_module_path(
 
 
 @needs_vnni
+def test_a_lone_rows_few_token_feeds_run_column_by_column_like_the_module_path(
+    base: WhisperModel, speech: tuple[list[int], CrossKV]
+) -> None:
+    """Feeds of 2 and 3 tokens (what a row gained in a verification) through the one-call step."""
+    tokens, cross = speech
+    draft = base.decoder.quantized_copy(kernel=True)
+    sizes = [2, 3, 1, 3, 2, 2, 3, 1, 2]
+    results = {}
+    for name, step in (("fused", draft.token_step), ("module", None)):
+        draft.token_step = step
+        with torch.inference_mode():
+            state = DecoderState.start(draft, cross, 1, capacity=64)
+            state.feed([tokens[:4]])
+            at, hidden = 4, []
+            for n in sizes:
+                hidden.append(state.feed([tokens[at : at + n]])[0][0])
+                at += n
+        results[name] = (draft.logits(torch.cat(hidden)).argmax(-1), state)
+    (fused, fused_state), (module, module_state) = results["fused"], results["module"]
+    assert fused.shape == (sum(sizes),) and fused_state.fed == module_state.fed == [4 + sum(sizes)]
+    assert float((fused == module).float().mean()) >= 0.9
+    n = fused_state.fed[0]
+    for layer in range(len(draft.layers)):
+        _assert_close_entries(fused_state.cache.keys[layer][0, :, :n], module_state.cache.keys[layer][0, :, :n])
+        _assert_close_entries(fused_state.cache.values[layer][0, :, :n], module_state.cache.values[layer][0, :, :n])
+
+
+@needs_vnni
 def test_one_call_steps_of_a_ragged_batch_match_the_module_path(
     base: WhisperModel, speech: tuple[list[int], CrossKV]
 ) -> None:
