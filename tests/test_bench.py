@@ -60,8 +60,13 @@ def test_bench_reports_identical_tokens_and_ratios(benchdata: Path, tmp_path: Pa
     assert report["batches"]["2"]["decode_ratio"] > 0
     assert set(report["languages"]) <= {"en", "es"}
     rss = report["peak_rss_mb"]  # each mode in its own process: the assistant's own footprint
-    assert rss["main_only"] > 100 and rss["speculative"] > rss["main_only"]
-    assert rss["assistant_share"] == pytest.approx((rss["speculative"] - rss["main_only"]) / rss["main_only"])
+    assert rss["main_only"] > 100 and rss["assistant_share"] == pytest.approx(
+        (rss["speculative"] - rss["main_only"]) / rss["main_only"]
+    )
+    # Loading's transient copies may set both lifetime peaks; while serving, the draft's int8
+    # weights (~50 MB for base) are resident in the speculative process only.
+    assert rss["main_only_serving"] > 100 and rss["speculative_serving"] > rss["main_only_serving"] + 20
+    assert rss["assistant_share_serving"] > 0
 
 
 def test_clip_selection_by_language_subset_and_length(benchdata: Path) -> None:
