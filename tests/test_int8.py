@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -88,14 +90,21 @@ def speech(base: WhisperModel, clip) -> tuple[list[int], CrossKV]:  # type: igno
 
 
 def _teacher_forced(
-    decoder: TextDecoder, tokens: list[int], cross: CrossKV, one_by_one: bool = False
+    decoder: TextDecoder, tokens: list[int], cross: CrossKV, chunks: Sequence[int] | None = None
 ) -> tuple[Tensor, DecoderState]:
-    """The decoder's greedy pick after each prefix of `tokens` (from the 4th on), fed at once or one at a time."""
+    """The decoder's greedy pick after each prefix of `tokens` (from the 4th on): fed at once, or
+    the first 4 and then the rest in feeds whose sizes cycle through `chunks`."""
     with torch.inference_mode():
         state = DecoderState.start(decoder, cross, 1)
-        if not one_by_one:
+        if chunks is None:
             return decoder.logits(state.feed([tokens])[0][0, 3:]).argmax(-1), state
-        hidden = [state.feed([tokens[:4]])[0][0, 3:]] + [state.feed([[t]])[0][0] for t in tokens[4:]]
+        hidden = [state.feed([tokens[:4]])[0][0, 3:]]
+        at = 4
+        for size in itertools.cycle(chunks):
+            if at >= len(tokens):
+                break
+            hidden.append(state.feed([tokens[at : at + size]])[0][0])
+            at += size
         return decoder.logits(torch.cat(hidden)).argmax(-1), state
 
 
@@ -122,21 +131,24 @@ def test_self_draft_runs_on_the_kernel_and_stays_close_to_the_main_decoder(
 
 
 @needs_vnni
-def test_single_token_steps_in_one_call_match_the_module_path(
-    base: WhisperModel, speech: tuple[list[int], CrossKV]
+@pytest.mark.parametrize("chunks", [[1], [2, 3, 1]], ids=["one-token", "few-token"])
+def test_lone_row_steps_in_one_call_match_the_module_path(
+    base: WhisperModel, speech: tuple[list[int], CrossKV], chunks: list[int]
 ) -> None:
-    """The fused draft step (batch-1 drafting) computes what the module path computes, token by token."""
+    """The fused draft step (batch-1 drafting) computes what the module path computes, fed token by
+    token or in feeds of 2-3 tokens (what a row gained in a verification), which it runs column by column."""
     tokens, cross = speech
     draft = base.decoder.quantized_copy(kernel=True)
     assert draft.token_step is not None
-    fused, fused_state = _teacher_forced(draft, tokens, cross, one_by_one=True)
+    fused, fused_state = _teacher_forced(draft, tokens, cross, chunks)
     stack, draft.token_step = draft.token_step, None
-    module, module_state = _teacher_forced(draft, tokens, cross, one_by_one=True)
+    module, module_state = _teacher_forced(draft, tokens, cross, chunks)
     draft.token_step = stack
+    n = len(tokens)
+    assert fused.shape == (n - 3,) and fused_state.fed == module_state.fed == [n]
     # int8 rounding of activations may flip between the two (their fp32 sums differ in the last bits),
     # so compare what the draft proposes, not bits.
     assert float((fused == module).float().mean()) >= 0.9
-    n = len(tokens)
     for layer in range(len(draft.layers)):
         for mine, theirs in (
             (fused_state.cache.keys, module_state.cache.keys),
@@ -144,34 +156,6 @@ def test_single_token_steps_in_one_call_match_the_module_path(
         ):
             _assert_close_entries(mine[layer][0, :, :n], theirs[layer][0, :, :n])
             assert not mine[layer][0, :, n:].any()  # nothing past the fed positions
-
-
-@needs_vnni
-def test_a_lone_rows_few_token_feeds_run_column_by_column_like_the_module_path(
-    base: WhisperModel, speech: tuple[list[int], CrossKV]
-) -> None:
-    """Feeds of 2 and 3 tokens (what a row gained in a verification) through the one-call step."""
-    tokens, cross = speech
-    draft = base.decoder.quantized_copy(kernel=True)
-    sizes = [2, 3, 1, 3, 2, 2, 3, 1, 2]
-    results = {}
-    for name, step in (("fused", draft.token_step), ("module", None)):
-        draft.token_step = step
-        with torch.inference_mode():
-            state = DecoderState.start(draft, cross, 1, capacity=64)
-            state.feed([tokens[:4]])
-            at, hidden = 4, []
-            for n in sizes:
-                hidden.append(state.feed([tokens[at : at + n]])[0][0])
-                at += n
-        results[name] = (draft.logits(torch.cat(hidden)).argmax(-1), state)
-    (fused, fused_state), (module, module_state) = results["fused"], results["module"]
-    assert fused.shape == (sum(sizes),) and fused_state.fed == module_state.fed == [4 + sum(sizes)]
-    assert float((fused == module).float().mean()) >= 0.9
-    n = fused_state.fed[0]
-    for layer in range(len(draft.layers)):
-        _assert_close_entries(fused_state.cache.keys[layer][0, :, :n], module_state.cache.keys[layer][0, :, :n])
-        _assert_close_entries(fused_state.cache.values[layer][0, :, :n], module_state.cache.values[layer][0, :, :n])
 
 
 @needs_vnni
