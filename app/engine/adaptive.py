@@ -50,17 +50,20 @@ class _Rate:
     weight: float
     seconds: float = 0.0
     passes: float = 0.0
-    samples: int = 0
-    seen: int = 0
+    seen: int = 0  # batches observed, the first included
+
+    @property
+    def samples(self) -> int:
+        """Batches in the estimate."""
+        return max(0, self.seen - 1)
 
     def add(self, cost: BatchCost) -> None:
         self.seen += 1
         if self.seen == 1:
             return
-        keep = 1 - self.weight if self.samples else 0.0
+        keep = 1 - self.weight if self.samples > 1 else 0.0
         self.seconds = keep * self.seconds + cost.seconds
         self.passes = keep * self.passes + cost.plain_passes
-        self.samples += 1
 
     @property
     def value(self) -> float:
