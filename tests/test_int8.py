@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,6 +21,8 @@ from app.engine.features import N_SAMPLES, log_mel, window
 from app.engine.int8 import VnniLinear, dynamic_int8, int8_twin, vnni_extension
 from app.engine.kernels import PackedLinear, packing_available
 from app.engine.model import WhisperModel
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cpu_has_vnni() -> bool:
@@ -37,6 +42,57 @@ def test_kernel_builds_on_a_vnni_cpu_with_a_compiler() -> None:
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.fail("no C++ compiler: the setup installs build-essential for the int8 draft kernel")
     assert vnni_extension() is not None
+
+
+PROBE = """
+import json, logging, torch
+from app.engine.int8 import VnniLinear, int8_twin, vnni_extension
+logging.basicConfig(level=logging.WARNING)
+torch.manual_seed(0)
+linear = torch.nn.Linear(512, 1536)
+twin = int8_twin(linear)
+x = torch.randn(3, 512)
+with torch.no_grad():
+    error = float((twin(x) - linear(x)).abs().mean() / linear(x).abs().mean())
+ext = vnni_extension()
+print(json.dumps({"library": getattr(ext, "__file__", None), "kernel": isinstance(twin, VnniLinear), "error": error}))
+"""
+
+
+@needs_vnni
+def test_a_portable_build_serves_a_machine_without_a_compiler(tmp_path: Path) -> None:
+    """`kernels --install` compiles a library that a process with no compiler on its PATH loads and
+    runs; without it such a process falls back to torch's int8 linear instead of failing."""
+    prebuilt = tmp_path / "prebuilt"
+    build = subprocess.run(
+        [sys.executable, "-m", "app", "kernels", "--install", str(prebuilt)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert build.returncode == 0, build.stderr
+    (tmp_path / "bin").mkdir()
+
+    def probe(kernel_dir: Path) -> dict[str, object]:
+        env = {
+            "PATH": str(tmp_path / "bin"),  # no c++, no ninja
+            "HOME": str(tmp_path),
+            "TORCH_EXTENSIONS_DIR": str(tmp_path / "jit"),  # no earlier native build either
+            "SPECWHISPER_KERNEL_DIR": str(kernel_dir),
+            "PYTHONPATH": str(ROOT),
+        }
+        run = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        return dict(json.loads(run.stdout.strip().splitlines()[-1]))
+
+    served = probe(prebuilt)
+    assert served["kernel"] is True
+    assert Path(str(served["library"])).parent == prebuilt
+    assert float(str(served["error"])) < 0.02
+    bare = probe(tmp_path / "empty")
+    assert bare["kernel"] is False and bare["library"] is None
+    assert float(str(bare["error"])) < 0.05
 
 
 @needs_vnni

@@ -122,8 +122,11 @@ def _gpubench(args: argparse.Namespace) -> int:
 
 
 def _kernels(args: argparse.Namespace) -> int:
-    from app.engine.int8 import vnni_extension
+    from app.engine.int8 import install_portable, prebuilt_dir, vnni_extension
 
+    if args.install is not None:
+        path = install_portable(args.install or prebuilt_dir())
+        print(f"int8 draft kernel: portable build installed at {path}")
     ext = vnni_extension()
     print(f"int8 draft kernel: {'built (AVX-512 VNNI)' if ext is not None else 'unavailable, drafts use torch int8'}")
     return 0
@@ -208,6 +211,15 @@ def build_parser() -> argparse.ArgumentParser:
         sub.set_defaults(handler=tool.run_cli)
 
     kernels = commands.add_parser("kernels", help="build this CPU's int8 draft kernel now (else on first use)")
+    kernels.add_argument(
+        "--install",
+        nargs="?",
+        const="",
+        type=Path,
+        metavar="DIR",
+        help="compile a portable build (any AVX-512 VNNI CPU) into DIR, for runtimes without a compiler "
+        "(default DIR: $SPECWHISPER_KERNEL_DIR, else inside the package)",
+    )
     kernels.set_defaults(handler=_kernels)
 
     models = commands.add_parser("models", help="show or convert models in the store")

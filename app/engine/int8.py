@@ -1,8 +1,10 @@
 """int8 twins of linear layers for the CPU drafts.
 
 Two implementations of the same idea (int8 weights, activations quantized on the fly):
-- `VnniLinear`: this project's kernel (`csrc/int8_linear.cpp`) for CPUs with AVX-512 VNNI, built
-  with torch's C++ extension loader on first use and cached (`TORCH_EXTENSIONS_DIR`). A draft step
+- `VnniLinear`: this project's kernel (`csrc/int8_linear.cpp`) for CPUs with AVX-512 VNNI: a portable
+  build made ahead of time (`python -m app kernels --install`, as the Docker image's build stage does,
+  for runtimes without a compiler), else compiled for this CPU on first use by torch's C++ extension
+  loader and cached (`TORCH_EXTENSIONS_DIR`). A draft step
   runs ~37 small products one row at a time; torch's dynamic int8 linear spends 15-30 us on each
   whatever its size, this kernel 3-10 us (docs/performance.md).
 - `VnniDraftStack`: the same kernel running all layers of such a draft in one call, for draft
@@ -17,8 +19,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.machinery
+import importlib.util
 import logging
+import os
 import platform
+import shutil
+import tempfile
 import warnings
 import weakref
 from pathlib import Path
@@ -37,30 +44,105 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "int8_linear.cpp"
 
 
+# A portable build compiles only the kernel's functions for AVX-512 F/BW/DQ/VL + VNNI (Intel since Cascade
+# Lake, AMD since Zen 4) and loads on any x86-64 CPU (see the source); a native build may use whatever
+# the building CPU has.
+PORTABLE_CFLAGS = ("-O3", "-fopenmp", "-DSPECWHISPER_PORTABLE")
+# -fopenmp compiles at::parallel_for's pragmas (without it they run on one thread); the OpenMP runtime is
+# the one torch already loaded: the library links no other.
+NATIVE_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")  # as /proc/cpuinfo names them
+
+
+def cpu_runs_kernel() -> bool:
+    """True on an x86-64 Linux CPU with every instruction set a portable build of the kernel uses."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return all(flag in flags for flag in CPU_FLAGS)
+
+
+def prebuilt_dir() -> Path:
+    """Where `python -m app kernels --install` puts a portable build: `SPECWHISPER_KERNEL_DIR`, else the package.
+
+    Read when the kernel is first needed, like torch's `TORCH_EXTENSIONS_DIR`.
+    """
+    configured = os.environ.get("SPECWHISPER_KERNEL_DIR")
+    return Path(configured) if configured else SOURCE.parent / "prebuilt"
+
+
+def portable_name() -> str:
+    """Module name of a portable build: it changes with the source and with torch (whose ABI it links)."""
+    recipe = [SOURCE.read_bytes(), torch.__version__.encode(), *(flag.encode() for flag in PORTABLE_CFLAGS)]
+    digest = hashlib.sha1(b"\0".join(recipe))
+    return f"specwhisper_int8_portable_{digest.hexdigest()[:12]}"
+
+
+def install_portable(dest: Path | None = None) -> Path:
+    """Compile a portable build of the kernel into `dest` (default `prebuilt_dir()`); returns the library.
+
+    For images and machines that run without a compiler: the build stage of the Dockerfile runs this, and
+    `vnni_extension()` then loads the library instead of compiling one.
+    """
+    from torch.utils.cpp_extension import load
+
+    dest = dest or prebuilt_dir()
+    dest.mkdir(parents=True, exist_ok=True)
+    name = portable_name()
+    with tempfile.TemporaryDirectory(prefix="specwhisper-kernel-") as build:
+        ext = load(name=name, sources=[str(SOURCE)], extra_cflags=list(PORTABLE_CFLAGS), build_directory=build)
+        target = dest / f"{name}.so"
+        shutil.copyfile(ext.__file__, target.with_suffix(".tmp"))
+        target.with_suffix(".tmp").replace(target)  # a reader never sees half a library
+    return target
+
+
+def _load_prebuilt() -> Any | None:
+    name = portable_name()
+    path = prebuilt_dir() / f"{name}.so"
+    if not path.is_file():
+        return None
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    if spec is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def _compile_native() -> Any:
+    from torch.utils.cpp_extension import load
+
+    # One build folder per source version: two checkouts on one machine must not rebuild each other's.
+    digest = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:12]
+    return load(name=f"specwhisper_int8_{digest}", sources=[str(SOURCE)], extra_cflags=list(NATIVE_CFLAGS))
+
+
 @functools.cache
 def vnni_extension() -> Any | None:
-    """The compiled kernel module, or None (not an x86-64 CPU with AVX-512 VNNI, or no compiler)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    """The kernel module, or None (not an x86-64 CPU with AVX-512 VNNI, or neither a build nor a compiler).
+
+    A portable build in `prebuilt_dir()` is loaded as it is; otherwise the kernel is compiled for this
+    CPU on first use and cached by torch's extension loader.
+    """
+    if not cpu_runs_kernel():
+        log.info("this CPU has no AVX-512 VNNI; the drafts use torch's dynamic int8 linear")
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        # One build folder per source version: two checkouts on one machine must not rebuild each other's.
-        digest = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:12]
-        ext = load(
-            name=f"specwhisper_int8_{digest}",
-            sources=[str(SOURCE)],
-            # -fopenmp compiles at::parallel_for's pragmas (without it they run on one thread); the
-            # OpenMP runtime is the one torch already loaded: the library links no other.
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            verbose=False,
-        )
+        ext = _load_prebuilt()
+        if ext is None:
+            ext = _compile_native()
     except Exception as exc:  # no compiler, no headers, a failed build: torch's int8 linear serves
         log.warning("int8 draft kernel unavailable (%s); using torch's dynamic int8 linear", exc)
         return None
     if not ext.available():
-        log.info("this CPU has no AVX-512 VNNI; the drafts use torch's dynamic int8 linear")
         return None
+    log.info("int8 draft kernel: %s", ext.__file__)
     return ext
 
 

@@ -18,7 +18,16 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// A portable build (-DSPECWHISPER_PORTABLE, made by `python -m app kernels --install`) compiles only this
+// file's own functions for AVX-512 VNNI, whatever CPU builds it; torch's headers above and the module's
+// set-up below stay baseline x86-64, so the library loads on any x86-64 CPU and `available()` asks the
+// CPU at run time. A native build (-march=native) takes the instruction sets of the CPU that builds it.
+#if defined(SPECWHISPER_PORTABLE)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")
+#endif
+
+#if defined(SPECWHISPER_PORTABLE) || (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__))
 #include <immintrin.h>
 #define SPECWHISPER_VNNI 1
 #else
@@ -29,8 +38,6 @@ namespace {
 
 constexpr int64_t kRows = 16;  // output rows per packed block
 constexpr int64_t kDepth = 4;  // inputs per lane of one block vector
-
-bool available() { return SPECWHISPER_VNNI == 1; }
 
 // w [N, K] fp32 -> (packed [ceil(N/16), K/4, 16, 4] int8, scale [N], row sum [N] int32): each row
 // quantized symmetrically by its largest magnitude, straight into the packed layout (rows past N are
@@ -343,8 +350,25 @@ class DraftStack {
 
 }  // namespace
 
+#if defined(SPECWHISPER_PORTABLE)
+#pragma GCC pop_options
+#endif
+
+namespace {
+
+bool available() {
+#if SPECWHISPER_VNNI
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("available", &available, "True when built for a CPU with AVX-512 VNNI");
+  m.def("available", &available, "True when built with the kernel and this CPU runs it (AVX-512 VNNI)");
   m.def("quantize", &quantize, "fp32 [N, K] weight -> (packed int8 blocks, row scales, row sums)");
   m.def("linear", &linear, "y = dequant(quant(x) W^T) + b for a packed int8 W");
 #if SPECWHISPER_VNNI
