@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from app.engine.assistant import model_draft, self_draft
-from app.engine.draft import Drafter
+from app.engine.batch import DecoderState, Row
+from app.engine.draft import DecoderDrafter, Drafter, DraftInputs, Drafts, DraftSession
 from app.engine.model import WhisperModel
 from app.engine.transcriber import DecodingOptions, Engine
 from app.store.catalog import ModelStore
@@ -138,3 +139,75 @@ def test_length_limit_is_exact(base: WhisperModel, clip: Callable) -> None:
         plain, spec = (engine.transcribe([audio], [o])[0] for o in opts)
         assert len(plain.tokens) == limit and plain.finish == "length"
         assert spec.tokens == plain.tokens and spec.finish == "length"
+
+
+# A previous-text prompt as long-form audio carries from window to window (> 32 tokens).
+LONG_PROMPT = (
+    "The earliest book printed with movable types, the Gutenberg, or forty-two line Bible of about 1455, "
+    "has never been surpassed. Printing, then, for our purpose, may be considered as the art of making books."
+)
+
+
+class RecordingDrafter:
+    """Passes a real drafter's sessions through, noting for each whether and when it adopted the main cache."""
+
+    def __init__(self, inner: DecoderDrafter) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.sessions: list[dict[str, list[int] | int]] = []
+
+    def start(self, inputs: DraftInputs) -> DraftSession:
+        session = self.inner.start(inputs)
+        record: dict[str, list[int] | int] = {"adopted_at": [], "first_drafted_from": []}
+        self.sessions.append(record)
+        inner_adopt, inner_candidates = session.adopt, session.get_candidates
+
+        def adopt(main: DecoderState) -> None:
+            record["adopted_at"] = list(main.fed)
+            inner_adopt(main)
+
+        def get_candidates(rows: Sequence[Row], budgets: Sequence[int], generator: torch.Generator) -> Drafts:
+            if not record["first_drafted_from"]:
+                record["first_drafted_from"] = list(session.state.fed)
+            return inner_candidates(rows, budgets, generator)
+
+        session.adopt, session.get_candidates = adopt, get_candidates  # type: ignore[method-assign]
+        return session
+
+
+def test_a_self_draft_adopts_the_main_cache_of_a_long_prompt(base: WhisperModel, clip: Callable) -> None:
+    """With a prompt of >= 32 tokens the self-draft takes the main model's keys/values of it after a first
+    pass without drafts instead of prefilling it: the output stays main-only's, the draft starts past the
+    prompt, and it agrees with the main model as often as when it prefills the prompt itself."""
+    audio = [clip("ljspeech/LJ001-0001"), clip("whisper/jfk")]
+    options = [DecodingOptions(language="en", prompt=LONG_PROMPT)] * 2
+    reference = [r.tokens for r in Engine(base).transcribe(audio, options)]
+    prompt_len = len(base.tokenizer.encode(" " + LONG_PROMPT.strip())) + 1 + 4  # sot_prev, text, sot sequence
+    acceptance = {}
+    for adopt in (True, False):
+        recorder = RecordingDrafter(self_draft(base))
+        if not adopt:
+            recorder.inner.adopt_min_prompt = None
+        results = [Engine(base, recorder).transcribe([a], [o])[0] for a, o in zip(audio, options, strict=True)]
+        assert [r.tokens for r in results] == reference
+        assert len(recorder.sessions) == 2
+        for record in recorder.sessions:
+            if adopt:
+                assert record["adopted_at"] == [prompt_len]  # after the first pass: the prompt is in the cache
+                assert record["first_drafted_from"] == [prompt_len]  # so drafting starts past it
+            else:
+                assert record["adopted_at"] == [] and record["first_drafted_from"] == [0]
+        acceptance[adopt] = sum(r.metrics.draft_accepted for r in results) / sum(
+            r.metrics.draft_proposed for r in results
+        )
+    assert acceptance[True] >= acceptance[False] - 0.05 and acceptance[True] > 0.8, acceptance
+
+
+def test_weak_self_drafts_adopting_a_long_prompt_are_exact(base: WhisperModel, clip: Callable) -> None:
+    audio = [clip(c) for c in ("ljspeech/LJ001-0001", "fleurs/fleurs-de-001")]
+    options = [DecodingOptions(language=lang, prompt=LONG_PROMPT) for lang in ("en", "de")]
+    reference = [r.tokens for r in Engine(base).transcribe(audio, options)]
+    engine = Engine(base, noisy_self_draft(base, 0.3))
+    batched = engine.transcribe(audio, options)  # one batch: rows with prompts of different lengths
+    assert [r.tokens for r in batched] == reference
+    assert all(r.metrics.draft_proposed > r.metrics.draft_accepted for r in batched)  # rejections happened

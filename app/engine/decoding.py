@@ -73,11 +73,13 @@ def decode(
     stats = [RowStats() for _ in rows]
     active = list(range(len(rows)))
     first = True
+    # A draft that takes the main model's cache of a long prompt waits for the first pass to fill it.
+    adopt = draft is not None and draft.adopts_prompt(rows)
     while active:
         live = [rows[i] for i in active]
         drafts = Drafts.empty(len(live))
         draft_passes = 0
-        if draft is not None:
+        if draft is not None and not (first and adopt):
             before = draft.passes
             drafts = draft.get_candidates(live, [row.draft_budget for row in live], generator)
             draft_passes = draft.passes - before
@@ -85,7 +87,6 @@ def decode(
         hidden, _ = state.feed([p + d for p, d in zip(pending, drafts.tokens, strict=True)])
         if first:
             _no_speech(main, hidden, live)
-            first = False
         index = [list(range(len(p) - 1, len(p) + len(d))) for p, d in zip(pending, drafts.tokens, strict=True)]
         logits = scored_logits(main.decoder, gather_positions(hidden, index), live, drafts.tokens)
         accepted = []
@@ -112,6 +113,9 @@ def decode(
             s.draft_passes += draft_passes
         # The main cache holds the old tokens and the drafts; keep what was accepted.
         state.rewind([len(row.tokens) - 1 for row in live])
+        if draft is not None and first and adopt:
+            draft.adopt(state)
+        first = False
         if draft is not None:
             draft.update_candidate_strategy(live, accepted, [len(d) for d in drafts.tokens])
         keep = [b for b, row in enumerate(live) if row.finish is None]

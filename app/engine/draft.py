@@ -71,6 +71,12 @@ class DraftSession(Protocol):
     def keep(self, rows: list[int]) -> None:
         """Drop the batch rows not listed (finished requests)."""
 
+    def adopts_prompt(self, rows: Sequence[Row]) -> bool:
+        """Whether the first main pass should run without drafts so that `adopt()` can take its cache."""
+
+    def adopt(self, main: DecoderState) -> None:
+        """Take the main model's cache of every row's tokens so far instead of feeding them."""
+
 
 class Drafter(Protocol):
     name: str
@@ -105,10 +111,21 @@ class DraftLength:
         return max(1, current - 1)
 
 
+ADOPT_MIN_PROMPT = 32  # tokens of the longest prompt from which a self-draft adopts the main cache
+
+
 class DecoderDraftSession:
-    def __init__(self, state: DecoderState, length: DraftLength) -> None:
+    """Drafts from a decoder's own cache of each row.
+
+    adopt_min_prompt: a self-draft (same layout as the main decoder) takes the main model's keys/values
+    of prompts this long (previous text in long-form audio) instead of prefilling them on the int8
+    path; it costs one pass without drafts per window (docs/performance.md). None: never.
+    """
+
+    def __init__(self, state: DecoderState, length: DraftLength, adopt_min_prompt: int | None = None) -> None:
         self.state = state
         self.length = length
+        self.adopt_min_prompt = adopt_min_prompt
         self.k = [length.initial] * len(state.fed)
         self.passes = 0
 
@@ -153,6 +170,21 @@ class DecoderDraftSession:
         self.state.keep(rows)
         self.k = [self.k[r] for r in rows]
 
+    def adopts_prompt(self, rows: Sequence[Row]) -> bool:
+        limit = self.adopt_min_prompt
+        return limit is not None and max(row.prompt_len for row in rows) >= limit and not any(self.state.fed)
+
+    def adopt(self, main: DecoderState) -> None:
+        """Copy the main cache's first max(main.fed) slots of every layer (rows beyond their own count are
+        overwritten before they are read, as after a rewind)."""
+        n = max(main.fed)
+        mine, theirs = self.state.cache, main.cache
+        if len(mine.keys) != len(theirs.keys) or mine.keys[0].shape[:2] != theirs.keys[0].shape[:2]:
+            raise ValueError("a draft adopts only the cache of a main decoder with its own layout")
+        for dst, src in zip([*mine.keys, *mine.values], [*theirs.keys, *theirs.values], strict=True):
+            dst[:, :, :n].copy_(src[:, :, :n])
+        self.state.fed = list(main.fed)
+
 
 AUDIO_MARGIN_FRAMES = 200  # encoder frames (4 s) past the audio that a draft still attends to
 
@@ -166,6 +198,9 @@ class DecoderDrafter:
     speculative decode time by 19-24%; with the int8 kernel's more faithful draft, 200 frames keep
     more of its acceptance for little more reading (docs/performance.md). Only the draft changes;
     the main model, which decides every token, still reads all frames: the output is unchanged.
+
+    adopt_min_prompt: for a self-draft ("main-cross"), the prompt length (longest row) from which the
+    draft takes the main model's cache of the prompt instead of prefilling it (None: never).
     """
 
     def __init__(
@@ -176,6 +211,7 @@ class DecoderDrafter:
         encoder_model: WhisperModel | None = None,
         length: DraftLength | None = None,
         audio_margin: int | None = AUDIO_MARGIN_FRAMES,
+        adopt_min_prompt: int | None = ADOPT_MIN_PROMPT,
     ) -> None:
         if cross == "own-encoder" and (encoder_model is None or encoder_model.encoder is None):
             raise ValueError("an encoder-decoder assistant needs its encoder")
@@ -185,6 +221,8 @@ class DecoderDrafter:
         self.encoder_model = encoder_model
         self.length = length or DraftLength()
         self.audio_margin = audio_margin
+        # Only a self-draft's cache holds what the main decoder's does (its int8 twin computes the same keys).
+        self.adopt_min_prompt = adopt_min_prompt if cross == "main-cross" else None
 
     @torch.inference_mode()
     def start(self, inputs: DraftInputs) -> DecoderDraftSession:
@@ -201,4 +239,4 @@ class DecoderDrafter:
             assert self.encoder_model is not None
             cross = self.decoder.cross_kv(self.encoder_model.encode(inputs.features))
         state = DecoderState.start(self.decoder, cross, inputs.encoder_out.shape[0], inputs.capacity)
-        return DecoderDraftSession(state, self.length)
+        return DecoderDraftSession(state, self.length, self.adopt_min_prompt)
