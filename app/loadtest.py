@@ -32,6 +32,7 @@ class Clip:
     data: bytes
     seconds: float
     expected: str = ""
+    language: str = "en"
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Speculation modes under load, through the real server: throughput and latency at each concurrency.
 
 For each mode (`adaptive`, `always`, `never`) a server is started with that `speculation` setting;
-for each concurrency c, c clients keep uploads in flight (the `limit` shortest English clips of the
-manifest up to 30 s, round robin) until
+for each concurrency c, c clients keep uploads in flight (the `limit` shortest clips of the manifest
+in the chosen languages, English by default, up to 30 s unless told otherwise, round robin) until
 `requests_per_client * c` answers are in. The servers run side by side and the modes take turns,
 `rounds` times per level, each mode leading one round in turn; each level reports the round with
 the median throughput and the range over the rounds. Every answer's
@@ -21,7 +21,8 @@ from typing import Any
 
 import httpx
 
-from app.loadtest import Clip, load_clips
+from app.bench import select_clips
+from app.loadtest import Clip
 from app.server.process import ServerProcess
 
 MODES = ("adaptive", "always", "never")
@@ -44,7 +45,7 @@ async def _level(url: str, clips: list[Clip], concurrency: int, total: int) -> d
                 started = time.perf_counter()
                 r = await client.post(
                     f"{url}/v1/audio/transcriptions",
-                    data={"model": "whisper-1", "language": "en"},
+                    data={"model": "whisper-1", "language": clip.language},
                     files={"file": ("clip.wav", clip.data)},
                 )
                 r.raise_for_status()
@@ -77,6 +78,17 @@ def _median(levels: list[dict[str, Any]]) -> dict[str, Any]:
     return {**ranked[len(ranked) // 2], "rounds": len(levels), "throughput_range": spread}
 
 
+def bench_clips(
+    manifest: Path, limit: int, languages: set[str], subset: str | None = None, max_seconds: float | None = None
+) -> list[Clip]:
+    """The `limit` shortest clips of the manifest that `select_clips` takes for these filters."""
+    entries = sorted(select_clips(manifest, languages, None, max_seconds, subset), key=lambda e: e["duration_s"])
+    return [
+        Clip(e["id"], (manifest.parent / e["audio"]).read_bytes(), float(e["duration_s"]), language=e["language"])
+        for e in entries[:limit]
+    ]
+
+
 def run_server_bench(
     manifest: Path,
     concurrency: Sequence[int],
@@ -85,11 +97,20 @@ def run_server_bench(
     requests_per_client: int = 2,
     rounds: int = 3,
     env: dict[str, str] | None = None,
+    languages: set[str] | None = None,
+    subset: str | None = None,
+    max_seconds: float | None = None,
 ) -> dict[str, Any]:
     """The report: per mode and concurrency, throughput and latency; ratios of adaptive to the best fixed mode."""
-    clips = load_clips(manifest, limit, max_seconds=30.0)
-    report: dict[str, Any] = {"clips": len(clips), "modes": {m: [] for m in modes}, "identical_texts": True}
-    reference: dict[str, str] = {}
+    clips = bench_clips(manifest, limit, languages or {"en"}, subset, max_seconds)
+    reference: dict[str, str] = {}  # the first answer for each clip
+    report: dict[str, Any] = {
+        "clips": len(clips),
+        "clip_ids": [c.name for c in clips],
+        "modes": {m: [] for m in modes},
+        "identical_texts": True,
+        "texts": reference,
+    }
     # All servers run side by side and the modes take turns at each level, so that a change in the
     # machine's load hits every mode alike.
     settings = {"SPECWHISPER_BATCH_WINDOW_MS": "20", **(env or {})}

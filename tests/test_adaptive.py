@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -88,8 +90,17 @@ def test_fixed_modes_and_validation() -> None:
 
 @pytest.mark.slow
 def test_server_bench_compares_modes_through_real_servers(benchdata: Path) -> None:
-    report = run_server_bench(benchdata / "manifest.jsonl", [1, 2], limit=2, requests_per_client=1, rounds=1)
+    manifest = benchdata / "manifest.jsonl"
+    report = run_server_bench(manifest, [1, 2], limit=2, requests_per_client=1, rounds=1, languages={"es"})
     assert report["clips"] == 2 and report["identical_texts"] is True
+    # The clips' own language reaches the server: Spanish comes back in Spanish, not translated.
+    references = {e["id"]: e["text"] for e in map(json.loads, manifest.read_text().splitlines())}
+    assert sorted(report["texts"]) == sorted(report["clip_ids"]) and all(
+        c.startswith("fleurs/fleurs-es") for c in report["texts"]
+    )
+    for clip_id, text in report["texts"].items():
+        said, heard = set(references[clip_id].lower().split()), set(re.findall(r"\w+", text.lower()))
+        assert len(said & heard) >= 0.5 * len(said), (clip_id, text)
     modes = report["modes"]
     assert [level["concurrency"] for level in modes["adaptive"]] == [1, 2]
     assert all(level["speculative_fraction"] == 1 for level in modes["always"])

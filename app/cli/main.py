@@ -76,6 +76,9 @@ def _bench_server(args: argparse.Namespace) -> int:
         limit=args.limit or 8,
         requests_per_client=args.requests_per_client,
         rounds=args.rounds,
+        languages=set(args.languages.split(",")) if args.languages else None,
+        subset=args.subset,
+        max_seconds=args.max_seconds,
     )
     print(json.dumps(report, indent=2))
     if args.json:
