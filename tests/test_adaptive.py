@@ -57,8 +57,8 @@ def test_short_clips_do_not_decide_the_verdict() -> None:
         policy.observe(mode, 1, BatchCost.of(seconds, [(tokens, 1)]))
         chosen.append(mode)
         spent += seconds
-    assert chosen[:6] == ["speculative", "plain"] * 3  # learning: the first batch of each mode is set aside
-    assert chosen[6:].count("speculative") >= 180
+    assert chosen[:4] == ["speculative", "plain"] * 2  # learning: the first batch of each mode is set aside
+    assert chosen[4:].count("speculative") >= 180
     assert spent < 100 * (0.030 + 0.410) * 0.6  # within a few batches of always speculative (0.53)
 
 
@@ -70,6 +70,16 @@ def test_first_batch_of_a_mode_at_a_size_is_set_aside() -> None:
     later = run(policy, 1, warm, 50)
     assert first == ["speculative", "plain"] and later[:2] == ["speculative", "plain"]
     assert later[2:].count("speculative") >= 45
+
+
+def test_sizes_warmed_before_the_first_request_trust_their_first_batches() -> None:
+    """The worker's warm-up pays the one-off costs at one row and at its largest batch: there the first
+    batch of each mode counts, which halves what learning costs; other sizes still set theirs aside."""
+    policy = ModePolicy(warmed=frozenset({1, 4}))
+    warmed = run(policy, 4, {"speculative": 0.01, "plain": 0.02}, 12)
+    assert warmed[:3] == ["speculative", "plain", "speculative"] and warmed.count("plain") == 1
+    cold = run(policy, 2, {"speculative": 0.01, "plain": 0.02}, 12)
+    assert cold[:4] == ["speculative", "plain"] * 2 and cold.count("plain") == 2
 
 
 def test_switches_when_costs_change() -> None:

@@ -43,23 +43,25 @@ class BatchCost:
 class _Rate:
     """Seconds per plain pass as a ratio of exponentially decayed sums (a new batch weighs `weight`).
 
-    The first batch is set aside: the first batch of a mode at a batch size pays one-off costs
-    (wider caches, new shapes), which made it read up to three times slower than the next ones.
+    Unless `warm`, the first batch is set aside: the first batch of a mode at a batch size pays
+    one-off costs (wider caches, new shapes), which made it read up to three times slower than the
+    next ones. `warm`: those costs were paid before the first request (the worker's warm-up).
     """
 
     weight: float
+    warm: bool = False
     seconds: float = 0.0
     passes: float = 0.0
-    seen: int = 0  # batches observed, the first included
+    seen: int = 0  # batches observed, a set-aside first one included
 
     @property
     def samples(self) -> int:
         """Batches in the estimate."""
-        return max(0, self.seen - 1)
+        return self.seen if self.warm else max(0, self.seen - 1)
 
     def add(self, cost: BatchCost) -> None:
         self.seen += 1
-        if self.seen == 1:
+        if self.samples == 0:
             return
         keep = 1 - self.weight if self.samples > 1 else 0.0
         self.seconds = keep * self.seconds + cost.seconds
@@ -74,19 +76,22 @@ class _Rate:
 class ModePolicy:
     """Per-batch-size cost estimates of both modes, and the choice they imply.
 
-    warmup: batches of each mode measured at a batch size (after the first, set aside) before its
+    warmup: batches of each mode measured at a batch size (after a set-aside first one) before its
         estimates are trusted. A batch size seen for the first time borrows the verdict of the
         nearest trusted size, then measures both modes.
     explore_every: once trusted, every n-th batch at a size runs the mode that lost (every 4n-th when
         it lost by more than `clear_margin`), so the estimates follow content and load.
     weight: weight of a new batch in its mode's estimate (older batches fade geometrically).
+    warmed: batch sizes at which both modes already ran before the first request (the worker warms
+        up at one row and at its largest batch), so that their first batches need not be set aside.
     """
 
     speculation: Speculation = "adaptive"
-    warmup: int = 2
+    warmup: int = 1
     explore_every: int = 10
     clear_margin: float = 1.25
     weight: float = 0.2
+    warmed: frozenset[int] = frozenset()
     _rates: dict[tuple[Mode, int], _Rate] = field(default_factory=dict)
     _batches: dict[int, int] = field(default_factory=dict)
 
@@ -97,7 +102,7 @@ class ModePolicy:
             raise ValueError("need warmup >= 1, explore_every >= 2, 0 < weight <= 1 and clear_margin >= 1")
 
     def rate(self, mode: Mode, batch: int) -> _Rate:
-        return self._rates.setdefault((mode, batch), _Rate(self.weight))
+        return self._rates.setdefault((mode, batch), _Rate(self.weight, warm=batch in self.warmed))
 
     def _trusted(self, batch: int) -> bool:
         return all(self.rate(mode, batch).samples >= self.warmup for mode in MODES)

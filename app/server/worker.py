@@ -76,6 +76,10 @@ class BatchRunner:
             decode_s = max(t.metrics.decode_ms for t in out) / 1000  # the batch's rows share the decode time
             cost = BatchCost.of(decode_s, [(t.metrics.tokens, t.metrics.windows) for t in out])
             self.policy.observe(mode, len(jobs), cost)
+            log.debug(
+                "batch %s: %d rows %s, %.0f ms for %d plain passes; estimates %s",
+                batch_id, len(jobs), mode, cost.seconds * 1000, cost.plain_passes, self.policy.snapshot(),
+            )  # fmt: skip
         return {j.request_id: JobResult(j.request_id, transcription=t) for j, t in zip(jobs, out, strict=True)}
 
 
@@ -115,7 +119,7 @@ class Inbox:
         return request_id in self._cancelled
 
 
-def warm_up(engine: Engine, max_batch: int = 1) -> None:
+def warm_up(engine: Engine, max_batch: int = 1) -> frozenset[int]:
     """One second of a tone through each mode, alone and in a batch of `max_batch`, before the first request.
 
     First calls pay one-off costs (thread pools, kernel set-up, allocator growth, wider caches),
@@ -124,9 +128,11 @@ def warm_up(engine: Engine, max_batch: int = 1) -> None:
     """
     t = np.arange(16000, dtype=np.float32) / 16000
     tone = (0.1 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
-    for batch in sorted({1, max_batch}):
+    sizes = frozenset({1, max_batch})
+    for batch in sorted(sizes):
         for use in (True, False):
             engine.transcribe([tone] * batch, [DecodingOptions(language="en", use_assistant=use)] * batch)
+    return sizes
 
 
 def worker_main(settings: Settings, conn: Connection) -> None:
@@ -137,11 +143,11 @@ def worker_main(settings: Settings, conn: Connection) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.perf_counter()
     engine = build_engine(settings, progress=False)
-    warm_up(engine, settings.max_batch)
+    warmed = warm_up(engine, settings.max_batch)
     drafter = engine.drafter.name if engine.drafter else None
     trim = heap_trimmer() if settings.worker_heap_trim else None
     inbox = Inbox(conn)
-    runner = BatchRunner(engine, ModePolicy(settings.speculation), conn.send, inbox.is_cancelled)
+    runner = BatchRunner(engine, ModePolicy(settings.speculation, warmed=warmed), conn.send, inbox.is_cancelled)
     conn.send(Ready(engine.main.name, drafter, time.perf_counter() - started))
     while True:
         try:
