@@ -84,3 +84,53 @@ def test_batch_flag_gives_the_same_tokens(benchdata: Path) -> None:
     assert [r["tokens"] for r in rows] == [json.loads(line)["tokens"] for line in one_by_one.stdout.splitlines()]
     assert [r["metrics"]["batch_size"] for r in rows] == [3, 3, 3]
     assert [r["language"] for r in rows] == ["de", "es", "pt"]
+
+
+CORE_ONLY = r"""
+import importlib, importlib.metadata as md, pkgutil, re, sys, tomllib
+from packaging.requirements import Requirement
+
+def name(dist): return re.sub(r"[-_.]+", "-", dist).lower()
+
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+core, todo = {name(project["name"])}, [Requirement(r) for r in project["dependencies"]]
+while todo:  # the core dependencies and everything they require
+    req = todo.pop()
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    if name(req.name) in core:
+        continue
+    core.add(name(req.name))
+    try:
+        todo += [Requirement(r) for r in md.requires(req.name) or []]
+    except md.PackageNotFoundError:
+        pass
+extras = {module for module, dists in md.packages_distributions().items() if not {name(d) for d in dists} & core}
+
+class OnlyCore:
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.split(".")[0] in extras:
+            raise ModuleNotFoundError(f"{fullname} is not installed by `pip install .`", name=fullname)
+
+sys.meta_path.insert(0, OnlyCore())
+import app
+from app.cli.main import build_parser
+build_parser().parse_args(["serve"])
+failed = []
+for module in pkgutil.walk_packages(app.__path__, "app."):
+    if module.name != "app.__main__":
+        try:
+            importlib.import_module(module.name)
+        except ImportError as exc:
+            failed.append(f"{module.name}: {exc}")
+print("\n".join(failed))
+"""
+
+
+def test_a_plain_install_runs_the_cli_and_every_module() -> None:
+    """The images run `pip install .`: with only the core dependencies (and what they pull in) importable,
+    the CLI parses and every module imports; extras stay behind function-level imports."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", CORE_ONLY], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "", done.stdout

@@ -128,7 +128,7 @@ def _kernels(args: argparse.Namespace) -> int:
     from app.engine.int8 import install_portable, prebuilt_dir, vnni_extension
 
     if args.install is not None:
-        path = install_portable(args.install or prebuilt_dir())
+        path = install_portable(Path(args.install) if args.install else prebuilt_dir())
         print(f"int8 draft kernel: portable build installed at {path}")
     ext = vnni_extension()
     print(f"int8 draft kernel: {'built (AVX-512 VNNI)' if ext is not None else 'unavailable, drafts use torch int8'}")
@@ -218,7 +218,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--install",
         nargs="?",
         const="",
-        type=Path,
         metavar="DIR",
         help="compile a portable build (any AVX-512 VNNI CPU) into DIR, for runtimes without a compiler "
         "(default DIR: $SPECWHISPER_KERNEL_DIR, else inside the package)",
