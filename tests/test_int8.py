@@ -93,6 +93,10 @@ def test_a_portable_build_serves_a_machine_without_a_compiler(tmp_path: Path) ->
     bare = probe(tmp_path / "empty")
     assert bare["kernel"] is False and bare["library"] is None
     assert float(str(bare["error"])) < 0.05
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / Path(str(served["library"])).name).write_bytes(b"not a library")
+    assert probe(damaged)["kernel"] is False  # a warning, torch's int8, no crash
 
 
 @needs_vnni

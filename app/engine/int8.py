@@ -135,11 +135,15 @@ def vnni_extension() -> Any | None:
         return None
     try:
         ext = _load_prebuilt()
-        if ext is None:
+    except Exception as exc:  # a damaged file, a library for another torch: compile instead
+        log.warning("the portable int8 draft kernel in %s does not load (%s)", prebuilt_dir(), exc)
+        ext = None
+    if ext is None:
+        try:
             ext = _compile_native()
-    except Exception as exc:  # no compiler, no headers, a failed build: torch's int8 linear serves
-        log.warning("int8 draft kernel unavailable (%s); using torch's dynamic int8 linear", exc)
-        return None
+        except Exception as exc:  # no compiler, no headers, a failed build: torch's int8 linear serves
+            log.warning("int8 draft kernel unavailable (%s); using torch's dynamic int8 linear", exc)
+            return None
     if not ext.available():
         return None
     log.info("int8 draft kernel: %s", ext.__file__)
