@@ -359,7 +359,8 @@ namespace {
 bool available() {
 #if SPECWHISPER_VNNI
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512vnni");
 #else
   return false;
 #endif
