@@ -140,6 +140,10 @@ def test_headers_health_models_metrics(server: ServerProcess, jfk: bytes) -> Non
     ):
         assert name in text, name
     assert 'route="/v1/audio/transcriptions",status="200"' in text
+    # The worker reports each batch's mode and the policy's cost estimates (this server always speculates).
+    assert float(re.search(r'specwhisper_batches_total\{mode="speculative"\} ([\d.]+)', text).group(1)) >= 1  # type: ignore[union-attr]
+    cost = re.search(r'specwhisper_mode_cost_ms_per_pass\{batch_size="1",mode="speculative"\} ([\d.e+-]+)', text)
+    assert cost is not None and float(cost.group(1)) > 0, text
 
 
 def _batch_counts(server: ServerProcess) -> tuple[float, float]:

@@ -39,6 +39,16 @@ class BatchCost:
         return cls(seconds, max((tokens + windows for tokens, windows in rows), default=0))
 
 
+@dataclass(frozen=True)
+class Estimate:
+    """The policy's current cost estimate of one mode at one batch size (for logs and metrics)."""
+
+    mode: Mode
+    batch: int
+    ms_per_plain_pass: float
+    samples: int
+
+
 @dataclass
 class _Rate:
     """Seconds per plain pass as a ratio of exponentially decayed sums (a new batch weighs `weight`).
@@ -139,9 +149,16 @@ class ModePolicy:
         if cost.seconds > 0 and cost.plain_passes > 0:
             self.rate(mode, batch).add(cost)
 
-    def snapshot(self) -> dict[str, dict[str, float]]:
-        """Current estimates, e.g. for logs: {"speculative@1": {"ms_per_plain_pass": .., "samples": ..}, ...}."""
-        return {
-            f"{mode}@{batch}": {"ms_per_plain_pass": round(r.value * 1000, 3), "samples": r.samples}
+    def estimates(self) -> list[Estimate]:
+        """Current estimates, by batch size then mode (samples 0: looked up but not measured yet)."""
+        return [
+            Estimate(mode, batch, r.value * 1000, r.samples)
             for (mode, batch), r in sorted(self._rates.items(), key=lambda kv: (kv[0][1], kv[0][0]))
+        ]
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """Current estimates for logs, e.g. {"speculative@1": {"ms_per_plain_pass": .., "samples": ..}, ...}."""
+        return {
+            f"{e.mode}@{e.batch}": {"ms_per_plain_pass": round(e.ms_per_plain_pass, 3), "samples": e.samples}
+            for e in self.estimates()
         }

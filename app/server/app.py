@@ -46,11 +46,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     def on_ready(ready: Ready) -> None:
         metrics.worker_up.set(1)
         metrics.model_load_seconds.set(ready.load_seconds)
+        metrics.mode_cost.clear()  # a restarted worker measures afresh
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redact_logs(settings.api_keys)  # uvicorn has configured logging by now
-        worker = WorkerSupervisor(settings, on_ready=on_ready)
+        worker = WorkerSupervisor(settings, on_ready=on_ready, on_batch=metrics.observe_batch)
         batcher = Batcher(
             worker,
             metrics,

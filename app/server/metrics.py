@@ -6,6 +6,8 @@ import asyncio
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
+from app.server.protocol import BatchResult
+
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 300)
 
 
@@ -32,6 +34,16 @@ class ServerMetrics:
         self.draft_accepted = Counter("specwhisper_draft_accepted", "drafted tokens accepted", registry=r)
         self.batch_size = Histogram(
             "specwhisper_batch_size", "requests per batch", buckets=(1, 2, 3, 4, 8, 16), registry=r
+        )
+        self.batches = Counter(
+            "specwhisper_batches", "batches decoded, by the mode the worker chose", ["mode"], registry=r
+        )
+        self.mode_cost = Gauge(
+            "specwhisper_mode_cost_ms_per_pass",
+            "the adaptive policy's estimate of a mode's decode time per plain pass (one token of a batch's"
+            " longest row), by batch size; the worker runs the cheaper mode",
+            ["mode", "batch_size"],
+            registry=r,
         )
         self.queue_depth = Gauge("specwhisper_queue_depth", "requests waiting", registry=r)
         self.worker_up = Gauge("specwhisper_worker_up", "1 when the worker is ready", registry=r)
@@ -62,6 +74,13 @@ class ServerMetrics:
         self.asyncio_tasks = Gauge("specwhisper_asyncio_tasks", "asyncio tasks in the web process", registry=r)
         self.asyncio_tasks.set_function(_task_count)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, ... of the web process
+
+    def observe_batch(self, result: BatchResult) -> None:
+        if result.mode is not None:
+            self.batches.labels(result.mode).inc()
+        for e in result.estimates:
+            if e.samples > 0:
+                self.mode_cost.labels(e.mode, str(e.batch)).set(e.ms_per_plain_pass)
 
 
 def _task_count() -> float:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from app.engine.adaptive import Estimate, Mode
 from app.engine.transcriber import DecodingOptions, Segment, Transcription
 
 
@@ -50,6 +51,8 @@ class JobResult:
 class BatchResult:
     batch_id: int
     results: list[JobResult]
+    mode: Mode | None = None  # how the worker decoded it (None: no valid row)
+    estimates: list[Estimate] = field(default_factory=list)  # the adaptive policy's, after this batch
 
 
 @dataclass(frozen=True)

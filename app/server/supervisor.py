@@ -27,9 +27,15 @@ class WorkerUnavailable(RuntimeError):
 class WorkerSupervisor:
     """Owns one worker process; restarts it when it dies, failing its in-flight batch at once."""
 
-    def __init__(self, settings: Settings, on_ready: Callable[[Ready], None] | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        on_ready: Callable[[Ready], None] | None = None,
+        on_batch: Callable[[BatchResult], None] | None = None,
+    ) -> None:
         self.settings = settings
         self.on_ready = on_ready
+        self.on_batch = on_batch
         self.ready: Ready | None = None
         self.restarts = 0
         self._ids = itertools.count()
@@ -97,6 +103,8 @@ class WorkerSupervisor:
             for listener in self._listeners.values():
                 listener(message)
         elif isinstance(message, BatchResult):
+            if self.on_batch:
+                self.on_batch(message)
             self._listeners.pop(message.batch_id, None)
             future = self._inflight.pop(message.batch_id, None)
             if future is not None and not future.done():

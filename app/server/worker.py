@@ -13,7 +13,7 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from app.engine.adaptive import BatchCost, ModePolicy
+from app.engine.adaptive import BatchCost, Mode, ModePolicy
 from app.engine.transcriber import DecodingOptions, Engine, InvalidRequestError, Segment
 from app.server.heap import heap_trimmer
 from app.server.protocol import BatchRequest, BatchResult, Cancel, Job, JobResult, Progress, Ready
@@ -42,6 +42,7 @@ class BatchRunner:
     def run(self, batch: BatchRequest) -> BatchResult:
         valid: list[Job] = []
         results: dict[str, JobResult] = {}
+        mode: Mode | None = None
         for job in batch.jobs:
             try:
                 self.engine.check(job.options)
@@ -49,12 +50,13 @@ class BatchRunner:
             except InvalidRequestError as exc:
                 results[job.request_id] = JobResult(job.request_id, error=str(exc))
         if valid:
-            results.update(self._transcribe(valid, batch.batch_id))
-        return BatchResult(batch.batch_id, [results[j.request_id] for j in batch.jobs])
+            mode, done = self._transcribe(valid, batch.batch_id)
+            results.update(done)
+        return BatchResult(batch.batch_id, [results[j.request_id] for j in batch.jobs], mode, self.policy.estimates())
 
-    def _transcribe(self, jobs: list[Job], batch_id: int) -> dict[str, JobResult]:
+    def _transcribe(self, jobs: list[Job], batch_id: int) -> tuple[Mode, dict[str, JobResult]]:
         eligible = self.engine.drafter is not None and any(j.options.use_assistant for j in jobs)
-        mode = self.policy.choose(len(jobs)) if eligible else "plain"
+        mode: Mode = self.policy.choose(len(jobs)) if eligible else "plain"
         options = [j.options if mode == "speculative" else dataclasses.replace(j.options, use_assistant=False)
                    for j in jobs]  # fmt: skip
 
@@ -71,7 +73,9 @@ class BatchRunner:
             )
         except Exception as exc:  # a bug must fail its batch, not the worker
             log.exception("batch %s failed", batch_id)
-            return {j.request_id: JobResult(j.request_id, error=f"internal error: {exc}", internal=True) for j in jobs}
+            return mode, {
+                j.request_id: JobResult(j.request_id, error=f"internal error: {exc}", internal=True) for j in jobs
+            }
         if eligible:
             decode_s = max(t.metrics.decode_ms for t in out) / 1000  # the batch's rows share the decode time
             cost = BatchCost.of(decode_s, [(t.metrics.tokens, t.metrics.windows) for t in out])
@@ -80,7 +84,7 @@ class BatchRunner:
                 "batch %s: %d rows %s, %.0f ms for %d plain passes; estimates %s",
                 batch_id, len(jobs), mode, cost.seconds * 1000, cost.plain_passes, self.policy.snapshot(),
             )  # fmt: skip
-        return {j.request_id: JobResult(j.request_id, transcription=t) for j, t in zip(jobs, out, strict=True)}
+        return mode, {j.request_id: JobResult(j.request_id, transcription=t) for j, t in zip(jobs, out, strict=True)}
 
 
 class Inbox:
