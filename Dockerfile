@@ -20,8 +20,8 @@ ENV PATH=/opt/venv/bin:$PATH
 # A plain `torch` requirement would pull the CUDA build; install the CPU wheel first and keep it.
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 # A compiler for the int8 draft kernel, in this stage only: the runtime image has none, so the kernel is
-# built here as a portable library (any AVX-512 VNNI CPU; it loads on every x86-64 CPU, and where the CPU
-# lacks VNNI the drafts use torch's int8 linear). Without it, the slim runtime would fall back to
+# built here as a portable library (AVX2 + FMA, and AVX-512 VNNI where the CPU has it; it loads on every
+# x86-64 CPU, and where the CPU lacks AVX2 the drafts use torch's int8 linear). Without it, the slim runtime would fall back to
 # torch's int8 linear everywhere: correct, but slower drafts (docs/performance.md).
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ ninja-build \

@@ -28,7 +28,7 @@ class Settings(BaseSettings):
     draft_tokens: int = Field(5, ge=1, le=12, description="initial draft length per row")
     adaptive_draft: bool = Field(True, description="adapt the draft length to acceptance")
     int8_kernel: bool = Field(
-        True, description="self-draft: this project's int8 kernel where the CPU has AVX-512 VNNI (else torch's)"
+        True, description="self-draft: this project's int8 kernel where the CPU has AVX2 + FMA (else torch's)"
     )
     log_level: str = Field("info", description="logging level of the server and worker")
     worker_heap_trim: bool = Field(True, description="return freed heap memory to the OS when the worker idles")

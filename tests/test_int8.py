@@ -1,12 +1,15 @@
-"""The int8 draft kernel (AVX-512 VNNI) against fp32 arithmetic and torch's dynamic int8 linear."""
+"""The int8 draft kernel (AVX2, or AVX-512 VNNI where the CPU has it) against fp32 arithmetic and torch's
+dynamic int8 linear."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,7 +21,7 @@ from torch import Tensor, nn
 from app.engine.batch import DecoderState
 from app.engine.decoder import CrossKV, TextDecoder
 from app.engine.features import N_SAMPLES, log_mel, window
-from app.engine.int8 import VnniLinear, dynamic_int8, int8_twin, vnni_extension
+from app.engine.int8 import Int8Linear, cpu_runs_kernel, dynamic_int8, int8_twin, kernel_extension, kernel_sources
 from app.engine.kernels import PackedLinear, packing_available
 from app.engine.model import WhisperModel
 
@@ -26,27 +29,53 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cpu_has_vnni() -> bool:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return "avx512_vnni" in flags and "avx512bw" in flags
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"))
 
 
-needs_vnni = pytest.mark.skipif(not _cpu_has_vnni(), reason="this CPU has no AVX-512 VNNI")
+needs_kernel = pytest.mark.skipif(not cpu_runs_kernel(), reason="this CPU has no AVX2 + FMA")
 
 
 def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).abs().mean() / ref.abs().mean())
 
 
-@needs_vnni
-def test_kernel_builds_on_a_vnni_cpu_with_a_compiler() -> None:
+@needs_kernel
+def test_kernel_builds_and_picks_the_widest_instruction_set() -> None:
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.fail("no C++ compiler: the setup installs build-essential for the int8 draft kernel")
-    assert vnni_extension() is not None
+    ext = kernel_extension()
+    assert ext is not None
+    assert ext.isa() == ("avx512_vnni" if _cpu_has_vnni() else "avx2")
+
+
+def test_a_built_package_carries_every_kernel_source(tmp_path: Path) -> None:
+    """The images build the kernel from `pip install .`: the package must hold every file it includes, and
+    the build names (which hash `kernel_sources()`) must change with each of them."""
+    sources = kernel_sources()
+    included = {name for path in sources for name in re.findall(r'#include "([^"]+)"', path.read_text())}
+    assert included and included <= {path.name for path in sources}
+    tree = tmp_path / "src"
+    shutil.copytree(ROOT / "app", tree / "app", ignore=shutil.ignore_patterns("__pycache__", "prebuilt"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, tree / name)
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+    build = subprocess.run(
+        [*pip_wheel, "-w", str(tmp_path), str(tree)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert build.returncode == 0, build.stderr
+    (wheel,) = tmp_path.glob("specwhisper-*.whl")
+    packaged = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"app/engine/csrc/{path.name}" for path in sources} <= packaged
 
 
 PROBE = """
 import json, logging, torch
-from app.engine.int8 import VnniLinear, int8_twin, vnni_extension
+from app.engine.int8 import Int8Linear, int8_twin, kernel_extension
 logging.basicConfig(level=logging.WARNING)
 torch.manual_seed(0)
 linear = torch.nn.Linear(512, 1536)
@@ -54,12 +83,12 @@ twin = int8_twin(linear)
 x = torch.randn(3, 512)
 with torch.no_grad():
     error = float((twin(x) - linear(x)).abs().mean() / linear(x).abs().mean())
-ext = vnni_extension()
-print(json.dumps({"library": getattr(ext, "__file__", None), "kernel": isinstance(twin, VnniLinear), "error": error}))
+ext = kernel_extension()
+print(json.dumps({"library": getattr(ext, "__file__", None), "kernel": isinstance(twin, Int8Linear), "error": error}))
 """
 
 
-@needs_vnni
+@needs_kernel
 def test_a_portable_build_serves_a_machine_without_a_compiler(tmp_path: Path) -> None:
     """`kernels --install` compiles a library that a process with no compiler on its PATH loads and
     runs; without it such a process falls back to torch's int8 linear instead of failing."""
@@ -99,13 +128,13 @@ def test_a_portable_build_serves_a_machine_without_a_compiler(tmp_path: Path) ->
     assert probe(damaged)["kernel"] is False  # a warning, torch's int8, no crash
 
 
-@needs_vnni
+@needs_kernel
 @pytest.mark.parametrize(("n_in", "n_out", "shape"), [(512, 1536, (1, 1)), (2048, 512, (2, 3)), (64, 51865, (5,))])
-def test_vnni_linear_matches_fp32_within_int8_error(n_in: int, n_out: int, shape: tuple[int, ...]) -> None:
+def test_kernel_linear_matches_fp32_within_int8_error(n_in: int, n_out: int, shape: tuple[int, ...]) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(n_in, n_out, bias=n_out != 51865)  # the vocabulary projection has no bias
     quantized = int8_twin(linear)
-    assert isinstance(quantized, VnniLinear)
+    assert isinstance(quantized, Int8Linear)
     x = torch.nn.functional.gelu(torch.randn(*shape, n_in) * 2)  # skewed, like the inputs of fc2
     with torch.no_grad():
         ref = linear(x)
@@ -120,7 +149,54 @@ def test_vnni_linear_matches_fp32_within_int8_error(n_in: int, n_out: int, shape
         assert quantized(torch.empty(0, n_in)).shape == (0, n_out)
 
 
-@needs_vnni
+def _integer_reference(twin: Int8Linear, x: Tensor) -> Tensor:
+    """What the kernel computes, from its packed weights in exact integer arithmetic: each row of x
+    quantized to uint8 over its range, dot products in int64, then both scales and the bias."""
+    blocks, depth, rows, four = twin.packed.shape
+    weight = twin.packed.permute(0, 2, 1, 3).reshape(blocks * rows, depth * four)[: twin.out_features].long()
+    lo, hi = x.amin(-1, keepdim=True).clamp(max=0), x.amax(-1, keepdim=True).clamp(min=0)
+    scale = torch.where(hi > lo, (hi - lo) / 255, torch.ones_like(hi))
+    inv = 1 / scale
+    zero = (-lo * inv).round().clamp(0, 255)
+    xq = ((x * inv).round() + zero).clamp(0, 255).long()
+    dot = (xq @ weight.T).double() - zero.double() * twin.row_sum.double()
+    out = dot * scale.double() * twin.scale.double()
+    return (out + twin.bias.double() if twin.bias is not None else out).float()
+
+
+@needs_kernel
+def test_each_instruction_set_computes_the_exact_integer_products() -> None:
+    """Every instruction set this CPU runs gives the integer products exactly (1000 outputs: a partial
+    last block of 16 rows), and both give the same fp32 result; one it does not run is refused."""
+    ext = kernel_extension()
+    assert ext is not None
+    torch.manual_seed(3)
+    linear = nn.Linear(2048, 1000)
+    twin = int8_twin(linear)
+    assert isinstance(twin, Int8Linear)
+    x = torch.nn.functional.gelu(torch.randn(3, 2048) * 2)
+    chosen, outputs = ext.isa(), {}
+    try:
+        for isa in ("avx2", "avx512_vnni"):
+            if isa == "avx512_vnni" and not _cpu_has_vnni():
+                with pytest.raises(RuntimeError, match="does not run"):
+                    ext.use_isa(isa)
+                continue
+            assert ext.use_isa(isa) == isa
+            with torch.no_grad():
+                outputs[isa] = twin(x)
+        with pytest.raises(RuntimeError, match="unknown instruction set"):
+            ext.use_isa("sse2")
+    finally:
+        ext.use_isa(chosen)
+    reference = _integer_reference(twin, x)
+    for out in outputs.values():
+        torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    if len(outputs) == 2:
+        torch.testing.assert_close(outputs["avx2"], outputs["avx512_vnni"], rtol=0, atol=0)
+
+
+@needs_kernel
 @pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear ops")
 def test_packed_linears_quantize_like_plain_ones() -> None:
     torch.manual_seed(1)
@@ -132,7 +208,7 @@ def test_packed_linears_quantize_like_plain_ones() -> None:
 
 def test_without_the_kernel_the_draft_uses_torchs_int8(base: WhisperModel) -> None:
     draft = base.decoder.quantized_copy(kernel=False)
-    assert not any(isinstance(m, VnniLinear) for m in draft.modules())
+    assert not any(isinstance(m, Int8Linear) for m in draft.modules())
     assert all(not isinstance(m, nn.Linear | PackedLinear) for m in draft.layers.modules())
 
 
@@ -173,7 +249,7 @@ def _assert_close_entries(written: Tensor, reference: Tensor) -> None:
     assert float((written - reference).abs().mean()) < 0.05 * float(reference.abs().mean())
 
 
-@needs_vnni
+@needs_kernel
 def test_self_draft_runs_on_the_kernel_and_stays_close_to_the_main_decoder(
     base: WhisperModel, speech: tuple[list[int], CrossKV]
 ) -> None:
@@ -181,7 +257,7 @@ def test_self_draft_runs_on_the_kernel_and_stays_close_to_the_main_decoder(
     tokens, cross = speech
     fast = base.decoder.quantized_copy(kernel=True)
     slow = base.decoder.quantized_copy(kernel=False)
-    kernel_layers = [m for m in fast.modules() if isinstance(m, VnniLinear)]
+    kernel_layers = [m for m in fast.modules() if isinstance(m, Int8Linear)]
     main_linears = [m for m in base.decoder.modules() if isinstance(m, nn.Linear | PackedLinear)]
     assert len(kernel_layers) == len(main_linears)  # every product of every layer, and the vocabulary
     main, _ = _teacher_forced(base.decoder, tokens, cross)
@@ -190,7 +266,7 @@ def test_self_draft_runs_on_the_kernel_and_stays_close_to_the_main_decoder(
     assert agree_kernel >= 0.85 and agree_kernel >= agree_torch - 0.05
 
 
-@needs_vnni
+@needs_kernel
 @pytest.mark.parametrize("chunks", [[1], [2, 3, 1]], ids=["one-token", "few-token"])
 def test_lone_row_steps_in_one_call_match_the_module_path(
     base: WhisperModel, speech: tuple[list[int], CrossKV], chunks: list[int]
@@ -218,7 +294,7 @@ def test_lone_row_steps_in_one_call_match_the_module_path(
             assert not mine[layer][0, :, n:].any()  # nothing past the fed positions
 
 
-@needs_vnni
+@needs_kernel
 def test_one_call_steps_of_a_ragged_batch_match_the_module_path(
     base: WhisperModel, speech: tuple[list[int], CrossKV]
 ) -> None:

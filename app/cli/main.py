@@ -125,13 +125,13 @@ def _gpubench(args: argparse.Namespace) -> int:
 
 
 def _kernels(args: argparse.Namespace) -> int:
-    from app.engine.int8 import install_portable, prebuilt_dir, vnni_extension
+    from app.engine.int8 import install_portable, kernel_isa, prebuilt_dir
 
     if args.install is not None:
         path = install_portable(Path(args.install) if args.install else prebuilt_dir())
         print(f"int8 draft kernel: portable build installed at {path}")
-    ext = vnni_extension()
-    print(f"int8 draft kernel: {'built (AVX-512 VNNI)' if ext is not None else 'unavailable, drafts use torch int8'}")
+    isa = kernel_isa()
+    print(f"int8 draft kernel: {f'built ({isa})' if isa else 'unavailable, drafts use torch int8'}")
     return 0
 
 
@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="?",
         const="",
         metavar="DIR",
-        help="compile a portable build (any AVX-512 VNNI CPU) into DIR, for runtimes without a compiler "
+        help="compile a portable build (any x86-64 CPU with AVX2 + FMA) into DIR, for runtimes without a compiler "
         "(default DIR: $SPECWHISPER_KERNEL_DIR, else inside the package)",
     )
     kernels.set_defaults(handler=_kernels)

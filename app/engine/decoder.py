@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from app.engine.int8 import VnniDraftStack, int8_twin
+from app.engine.int8 import Int8DraftStack, int8_twin
 from app.engine.kernels import PackedLinear
 from app.engine.weights import load_fused
 
@@ -206,7 +206,7 @@ class TextDecoder(nn.Module):
             layers.append(twin)
         draft.layers = nn.ModuleList(layers)
         draft.proj = int8_twin(cast(nn.Linear | PackedLinear, self.proj), kernel)
-        draft.token_step = VnniDraftStack.build(draft)
+        draft.token_step = Int8DraftStack.build(draft)
         return draft.eval()
 
     def cross_kv(self, encoder_out: Tensor) -> CrossKV:

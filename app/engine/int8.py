@@ -1,13 +1,13 @@
 """int8 twins of linear layers for the CPU drafts.
 
 Two implementations of the same idea (int8 weights, activations quantized on the fly):
-- `VnniLinear`: this project's kernel (`csrc/int8_linear.cpp`) for CPUs with AVX-512 VNNI: a portable
-  build made ahead of time (`python -m app kernels --install`, as the Docker image's build stage does,
-  for runtimes without a compiler), else compiled for this CPU on first use by torch's C++ extension
-  loader and cached (`TORCH_EXTENSIONS_DIR`). A draft step
-  runs ~37 small products one row at a time; torch's dynamic int8 linear spends 15-30 us on each
-  whatever its size, this kernel 3-10 us (docs/performance.md).
-- `VnniDraftStack`: the same kernel running all layers of such a draft in one call, for draft
+- `Int8Linear`: this project's kernel (`csrc/int8_linear.cpp`) for x86-64 CPUs with AVX2 + FMA, which
+  runs AVX-512 VNNI code where the CPU has it (`kernel_isa()`): a portable build made ahead of time
+  (`python -m app kernels --install`, as the Docker image's build stage does, for runtimes without a
+  compiler), else compiled on first use by torch's C++ extension loader and cached
+  (`TORCH_EXTENSIONS_DIR`). A draft step runs ~37 small products one row at a time; torch's dynamic
+  int8 linear spends 15-30 us on each whatever its size, this kernel 3-10 us (docs/performance.md).
+- `Int8DraftStack`: the same kernel running all layers of such a draft in one call, for draft
   steps (every row feeds one token): ~150 small torch ops per step become one.
 - `dynamic_int8`: torch's dynamic int8 linear (fbgemm), wherever the kernel cannot be built or run.
 
@@ -41,21 +41,27 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "int8_linear.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "int8_linear.cpp"  # includes the other files of csrc/
 
 
-# A portable build compiles only the kernel's functions for AVX-512 F/BW/DQ/VL + VNNI (Intel since Cascade
-# Lake, AMD since Zen 4) and loads on any x86-64 CPU (see the source); a native build may use whatever
-# the building CPU has.
-PORTABLE_CFLAGS = ("-O3", "-fopenmp", "-DSPECWHISPER_PORTABLE")
+def kernel_sources() -> list[Path]:
+    """The files the kernel compiles from (the .cpp includes the rest); its build names hash them all."""
+    return sorted(p for p in SOURCE.parent.iterdir() if p.suffix in (".cpp", ".h", ".inc"))
+
+
+# Either build compiles the kernel's SIMD functions twice, for AVX2 + FMA (Intel since Haswell, AMD
+# since Zen 1) and for AVX-512 F/BW/DQ/VL + VNNI (Intel since Cascade Lake, AMD since Zen 4), and picks
+# one at load time. A portable build keeps everything else baseline x86-64, so it loads on any x86-64
+# CPU; a native build lets the compiler use whatever the building CPU has elsewhere too.
+PORTABLE_CFLAGS = ("-O3", "-fopenmp")
 # -fopenmp compiles at::parallel_for's pragmas (without it they run on one thread); the OpenMP runtime is
 # the one torch already loaded: the library links no other.
 NATIVE_CFLAGS = ("-O3", "-march=native", "-fopenmp")
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")  # as /proc/cpuinfo names them
+CPU_FLAGS = ("avx2", "fma")  # the least the kernel runs on, as /proc/cpuinfo names them
 
 
 def cpu_runs_kernel() -> bool:
-    """True on an x86-64 Linux CPU with every instruction set a portable build of the kernel uses."""
+    """True on an x86-64 Linux CPU with the instruction sets the kernel needs at the least (AVX2 + FMA)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     try:
@@ -77,7 +83,8 @@ def prebuilt_dir() -> Path:
 
 def portable_name() -> str:
     """Module name of a portable build: it changes with the source and with torch (whose ABI it links)."""
-    recipe = [SOURCE.read_bytes(), torch.__version__.encode(), *(flag.encode() for flag in PORTABLE_CFLAGS)]
+    recipe = [*(p.read_bytes() for p in kernel_sources()), torch.__version__.encode()]
+    recipe += [flag.encode() for flag in PORTABLE_CFLAGS]
     digest = hashlib.sha1(b"\0".join(recipe))
     return f"specwhisper_int8_portable_{digest.hexdigest()[:12]}"
 
@@ -86,7 +93,7 @@ def install_portable(dest: Path | None = None) -> Path:
     """Compile a portable build of the kernel into `dest` (default `prebuilt_dir()`); returns the library.
 
     For images and machines that run without a compiler: the build stage of the Dockerfile runs this, and
-    `vnni_extension()` then loads the library instead of compiling one.
+    `kernel_extension()` then loads the library instead of compiling one.
     """
     from torch.utils.cpp_extension import load
 
@@ -119,19 +126,19 @@ def _compile_native() -> Any:
     from torch.utils.cpp_extension import load
 
     # One build folder per source version: two checkouts on one machine must not rebuild each other's.
-    digest = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha1(b"\0".join(p.read_bytes() for p in kernel_sources())).hexdigest()[:12]
     return load(name=f"specwhisper_int8_{digest}", sources=[str(SOURCE)], extra_cflags=list(NATIVE_CFLAGS))
 
 
 @functools.cache
-def vnni_extension() -> Any | None:
-    """The kernel module, or None (not an x86-64 CPU with AVX-512 VNNI, or neither a build nor a compiler).
+def kernel_extension() -> Any | None:
+    """The kernel module, or None (not an x86-64 CPU with AVX2 + FMA, or neither a build nor a compiler).
 
     A portable build in `prebuilt_dir()` is loaded as it is; otherwise the kernel is compiled for this
     CPU on first use and cached by torch's extension loader.
     """
     if not cpu_runs_kernel():
-        log.info("this CPU has no AVX-512 VNNI; the drafts use torch's dynamic int8 linear")
+        log.info("this CPU has no AVX2 + FMA; the drafts use torch's dynamic int8 linear")
         return None
     try:
         ext = _load_prebuilt()
@@ -146,12 +153,18 @@ def vnni_extension() -> Any | None:
             return None
     if not ext.available():
         return None
-    log.info("int8 draft kernel: %s", ext.__file__)
+    log.info("int8 draft kernel (%s): %s", ext.isa(), ext.__file__)
     return ext
 
 
-class VnniLinear(nn.Module):
-    """int8 twin of a linear: weights int8 per output row (symmetric), run by the VNNI kernel.
+def kernel_isa() -> str | None:
+    """The instruction set the kernel runs here ('avx512_vnni' or 'avx2'), or None where it does not run."""
+    ext = kernel_extension()
+    return None if ext is None else str(ext.isa())
+
+
+class Int8Linear(nn.Module):
+    """int8 twin of a linear: weights int8 per output row (symmetric), run by this project's kernel.
 
     Input [..., in] fp32 -> output [..., out] fp32. Each input row is quantized to uint8 over its
     own range, as torch's dynamic int8 linear does for a whole input.
@@ -173,7 +186,7 @@ class VnniLinear(nn.Module):
         return self._ext.linear(x.float(), self.packed, self.scale, self.row_sum, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 (VNNI kernel)"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 ({self._ext.isa()} kernel)"
 
 
 def dynamic_int8(linear: nn.Linear | PackedLinear) -> nn.Module:
@@ -192,13 +205,13 @@ def dynamic_int8(linear: nn.Linear | PackedLinear) -> nn.Module:
 
 
 def int8_twin(linear: nn.Linear | PackedLinear, kernel: bool = True) -> nn.Module:
-    """An int8 twin of `linear` (which is left as it is): the VNNI kernel where it runs, else torch's."""
-    ext = vnni_extension() if kernel and linear.in_features % 4 == 0 else None
-    return VnniLinear(linear, ext) if ext is not None else dynamic_int8(linear)
+    """An int8 twin of `linear` (which is left as it is): this project's kernel where it runs, else torch's."""
+    ext = kernel_extension() if kernel and linear.in_features % 4 == 0 else None
+    return Int8Linear(linear, ext) if ext is not None else dynamic_int8(linear)
 
 
-class VnniDraftStack:
-    """The layers of an int8 draft decoder whose products all run on the VNNI kernel, as one call.
+class Int8DraftStack:
+    """The layers of an int8 draft decoder whose products all run on this project's kernel, as one call.
 
     For rows feeding one token each: x [B, D] (token + position embeddings) -> the last layer's
     output [B, D], with those positions' keys/values written into `cache` as the module path
@@ -224,11 +237,11 @@ class VnniDraftStack:
         self._bf16_copy: tuple[list[Tensor], list[Tensor]] = ([], [])
 
     @classmethod
-    def build(cls, decoder: TextDecoder) -> VnniDraftStack | None:
+    def build(cls, decoder: TextDecoder) -> Int8DraftStack | None:
         """The stack of `decoder`, or None unless every product of every layer runs on the kernel."""
-        ext = vnni_extension()
+        ext = kernel_extension()
         names = ("qkv", "self_out", "cross_q", "cross_out", "fc1", "fc2")
-        if ext is None or not all(isinstance(getattr(layer, n), VnniLinear) for layer in decoder.layers for n in names):
+        if ext is None or not all(isinstance(getattr(layer, n), Int8Linear) for layer in decoder.layers for n in names):
             return None
         return cls(decoder, ext)
 
