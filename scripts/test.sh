@@ -11,4 +11,4 @@ ruff check app tests
 ruff format --check app tests
 mypy
 bash scripts/audit.sh
-python -m pytest -q -p no:cacheprovider "$@"
+python -m pytest -q -p no:cacheprovider --durations=15 "$@"
