@@ -81,12 +81,16 @@ def prebuilt_dir() -> Path:
     return Path(configured) if configured else SOURCE.parent / "prebuilt"
 
 
+def _sources_digest(*extra: bytes) -> str:
+    """A short hash of every kernel source, then of `extra` (what else a build depends on)."""
+    parts = [*(p.read_bytes() for p in kernel_sources()), *extra]
+    return hashlib.sha1(b"\0".join(parts)).hexdigest()[:12]
+
+
 def portable_name() -> str:
     """Module name of a portable build: it changes with the source and with torch (whose ABI it links)."""
-    recipe = [*(p.read_bytes() for p in kernel_sources()), torch.__version__.encode()]
-    recipe += [flag.encode() for flag in PORTABLE_CFLAGS]
-    digest = hashlib.sha1(b"\0".join(recipe))
-    return f"specwhisper_int8_portable_{digest.hexdigest()[:12]}"
+    digest = _sources_digest(torch.__version__.encode(), *(flag.encode() for flag in PORTABLE_CFLAGS))
+    return f"specwhisper_int8_portable_{digest}"
 
 
 def install_portable(dest: Path | None = None) -> Path:
@@ -126,8 +130,7 @@ def _compile_native() -> Any:
     from torch.utils.cpp_extension import load
 
     # One build folder per source version: two checkouts on one machine must not rebuild each other's.
-    digest = hashlib.sha1(b"\0".join(p.read_bytes() for p in kernel_sources())).hexdigest()[:12]
-    return load(name=f"specwhisper_int8_{digest}", sources=[str(SOURCE)], extra_cflags=list(NATIVE_CFLAGS))
+    return load(name=f"specwhisper_int8_{_sources_digest()}", sources=[str(SOURCE)], extra_cflags=list(NATIVE_CFLAGS))
 
 
 @functools.cache
