@@ -16,6 +16,7 @@ from app.engine.encoder import AudioEncoder
 from app.engine.features import N_SAMPLES, log_mel, window
 from app.engine.kernels import PackedLinear, attention, linear_add, linear_gelu, pack_linears, packing_available
 from app.engine.model import WhisperModel
+from app.engine.weights import WhisperDims
 
 needs_onednn = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear ops")
 
@@ -70,7 +71,7 @@ def test_encoder_matches_transformers(base: WhisperModel, base_dir: Path, speech
     from transformers import WhisperForConditionalGeneration
 
     hf = WhisperForConditionalGeneration.from_pretrained(base_dir, dtype=torch.float32).eval()
-    plain = AudioEncoder.from_hf(hf.model.encoder)
+    plain = AudioEncoder.from_weights(WhisperDims.from_config(hf.config.to_dict()), hf.state_dict())
     torch.manual_seed(2)
     features = torch.cat([speech_features, torch.randn(1, 80, 3000) * 0.3])
     with torch.inference_mode():

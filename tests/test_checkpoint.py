@@ -1,0 +1,153 @@
+"""Reading transformers' Whisper checkpoints without transformers: every file layout gives the same model."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from app.engine.model import WhisperModel
+from app.engine.weights import WhisperDims
+from app.store.catalog import ModelStore
+from app.store.checkpoint import CheckpointError
+from app.store.loader import load_model
+from tests.drafts import random_tiny_checkpoint
+
+SIDE_FILES = ("tokenizer.json", "generation_config.json", "preprocessor_config.json")
+
+
+def parameters(model: WhisperModel) -> dict[str, Tensor]:
+    """Every tensor the engine holds for `model` (packed forms included)."""
+    state = {f"decoder.{k}": v for k, v in model.decoder.state_dict().items()}
+    if model.encoder is not None:
+        state |= {f"encoder.{k}": v for k, v in model.encoder.state_dict().items()}
+    return state
+
+
+def assert_same(a: dict[str, Tensor], b: dict[str, Tensor]) -> None:
+    assert a.keys() == b.keys()
+    differ = [name for name in a if a[name].dtype != b[name].dtype or not torch.equal(a[name], b[name])]
+    assert not differ, differ[:5]
+
+
+def with_side_files(into: Path, like: Path) -> Path:
+    for name in SIDE_FILES:
+        shutil.copyfile(like / name, into / name)
+    return into
+
+
+@pytest.fixture(scope="module")
+def reference(base_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny-shaped model saved by transformers as one safetensors file."""
+    return random_tiny_checkpoint(base_dir, tmp_path_factory.mktemp("ckpt") / "reference")
+
+
+@pytest.fixture(scope="module")
+def expected(reference: Path, store: ModelStore) -> dict[str, Tensor]:
+    return parameters(load_model(str(reference), store, progress=False))
+
+
+def test_defaults_are_transformers_defaults() -> None:
+    """A key left out of config.json means transformers' default, as it does for transformers."""
+    from transformers import WhisperConfig
+
+    theirs = WhisperConfig()
+    mine = WhisperDims()
+    for field in dataclasses.fields(WhisperDims):
+        if field.name != "decoder_only":
+            assert getattr(mine, field.name) == getattr(theirs, field.name), field.name
+    assert WhisperDims.from_config({"d_model": 512, "architectures": ["WhisperForCausalLM"]}) == dataclasses.replace(
+        mine, d_model=512, decoder_only=True
+    )
+    with pytest.raises(ValueError, match="not a Whisper checkpoint"):
+        WhisperDims.from_config({"model_type": "llama"})
+
+
+def test_sharded_and_legacy_files_load_the_same(
+    reference: Path, expected: dict[str, Tensor], store: ModelStore, tmp_path: Path
+) -> None:
+    from transformers import WhisperForConditionalGeneration
+
+    hf = WhisperForConditionalGeneration.from_pretrained(reference, dtype=torch.float32)
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(sharded, max_shard_size="20MB")
+    assert (sharded / "model.safetensors.index.json").is_file() and not (sharded / "model.safetensors").exists()
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    shutil.copyfile(reference / "config.json", legacy / "config.json")
+    torch.save(hf.state_dict(), legacy / "pytorch_model.bin")
+    bare = tmp_path / "bare"  # a WhisperModel without the LM head: names without the "model." prefix
+    hf.model.save_pretrained(bare)
+    for path in (sharded, legacy, bare):
+        assert_same(parameters(load_model(str(with_side_files(path, reference)), store, progress=False)), expected)
+
+
+def test_untied_projection_and_decoder_only_checkpoints(reference: Path, store: ModelStore, tmp_path: Path) -> None:
+    from transformers import WhisperConfig, WhisperForCausalLM, WhisperForConditionalGeneration
+
+    hf = WhisperForConditionalGeneration.from_pretrained(reference, dtype=torch.float32)
+    config = WhisperConfig.from_pretrained(reference, tie_word_embeddings=False)
+    untied = WhisperForConditionalGeneration(config)
+    untied.load_state_dict(hf.state_dict(), strict=False)
+    with torch.no_grad():
+        untied.proj_out.weight.copy_(hf.proj_out.weight * 0.5)
+    untied.save_pretrained(tmp_path / "untied")
+    model = load_model(str(with_side_files(tmp_path / "untied", reference)), store, progress=False)
+    with torch.no_grad():
+        embed = untied.model.decoder.embed_tokens.weight
+        assert torch.equal(model.decoder.embed.weight, embed)
+        # The engine's (packed) vocabulary projection computes with proj_out, not with the embeddings.
+        x = torch.randn(1, 3, config.d_model)
+        torch.testing.assert_close(model.decoder.proj(x), x @ untied.proj_out.weight.T)
+        assert not torch.allclose(model.decoder.proj(x), x @ embed.T)
+
+    causal = WhisperForCausalLM(WhisperConfig.from_pretrained(reference))
+    causal.model.decoder.load_state_dict(hf.model.decoder.state_dict())
+    causal.save_pretrained(tmp_path / "causal")
+    assistant = load_model(str(with_side_files(tmp_path / "causal", reference)), store, progress=False)
+    assert assistant.encoder is None
+    full = load_model(str(reference), store, progress=False)
+    assert_same(parameters(assistant), {k: v for k, v in parameters(full).items() if k.startswith("decoder.")})
+
+
+def test_half_precision_is_a_cast_of_the_file(reference: Path, expected: dict[str, Tensor], store: ModelStore) -> None:
+    half = parameters(load_model(str(reference), store, dtype=torch.float16, progress=False))
+    assert half.keys() == expected.keys()
+    for name, tensor in half.items():
+        assert tensor.dtype == torch.float16, name
+        # Equal but for the query scale applied after the cast: one more rounding of fp16 subnormals.
+        torch.testing.assert_close(tensor, expected[name].half(), rtol=0, atol=1e-7)
+
+
+def test_missing_weights_and_foreign_configs_are_refused(reference: Path, store: ModelStore, tmp_path: Path) -> None:
+    foreign = tmp_path / "foreign"
+    shutil.copytree(reference, foreign)
+    config = json.loads((reference / "config.json").read_text())
+    (foreign / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    with pytest.raises(ValueError, match="not a Whisper checkpoint"):
+        load_model(str(foreign), store, progress=False)
+    lost = tmp_path / "lost"
+    shutil.copytree(reference, lost)
+    (lost / "model.safetensors").unlink()
+    (lost / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "gone.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"gone\.safetensors, which is missing"):
+        load_model(str(lost), store, progress=False)
+
+
+def test_loading_a_model_does_not_import_transformers_model_code(base_dir: Path) -> None:
+    """A worker's start no longer pays for transformers' modeling modules (~6 s for Whisper base)."""
+    code = (
+        "import sys; from pathlib import Path; from app.store.catalog import ModelStore; "
+        "from app.store.loader import load_model; "
+        f"load_model({str(base_dir)!r}, ModelStore(Path({str(base_dir.parent)!r})), progress=False); "
+        "print(sorted(m for m in sys.modules if m.startswith(('transformers.model', 'torch._dynamo'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
