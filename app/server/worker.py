@@ -11,10 +11,8 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-import numpy as np
-
 from app.engine.adaptive import BatchCost, Mode, ModePolicy
-from app.engine.transcriber import DecodingOptions, Engine, InvalidRequestError, Segment
+from app.engine.transcriber import Engine, InvalidRequestError, Segment
 from app.server.heap import heap_trimmer
 from app.server.protocol import BatchRequest, BatchResult, Cancel, Job, JobResult, Progress, Ready
 from app.settings import Settings
@@ -123,22 +121,6 @@ class Inbox:
         return request_id in self._cancelled
 
 
-def warm_up(engine: Engine, max_batch: int = 1) -> frozenset[int]:
-    """One second of a tone through each mode, alone and in a batch of `max_batch`, before the first request.
-
-    First calls pay one-off costs (thread pools, kernel set-up, allocator growth, wider caches),
-    and they are paid again at each new batch width: a first speculative batch of four ran three
-    times slower than the next. Paid here, they no longer fall on the first requests.
-    """
-    t = np.arange(16000, dtype=np.float32) / 16000
-    tone = (0.1 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
-    sizes = frozenset({1, max_batch})
-    for batch in sorted(sizes):
-        for use in (True, False):
-            engine.transcribe([tone] * batch, [DecodingOptions(language="en", use_assistant=use)] * batch)
-    return sizes
-
-
 def worker_main(settings: Settings, conn: Connection) -> None:
     """Entry point of the worker process (spawned)."""
     from app.runtime import build_engine
@@ -147,7 +129,7 @@ def worker_main(settings: Settings, conn: Connection) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.perf_counter()
     engine = build_engine(settings, progress=False)
-    warmed = warm_up(engine, settings.max_batch)
+    warmed = engine.warm_up({1, settings.max_batch})
     drafter = engine.drafter.name if engine.drafter else None
     trim = heap_trimmer() if settings.worker_heap_trim else None
     inbox = Inbox(conn)
