@@ -41,7 +41,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         "SPECWHISPER_BATCH_WINDOW_MS": "0",
         "SPECWHISPER_MAX_QUEUED_AUDIO_SECONDS": "60",
     }
-    srv = ServerProcess(env, log=log).start()
+    srv = ServerProcess(env, log=log, own_group=True).start()
     yield srv
     srv.stop()
 
@@ -267,7 +267,11 @@ def test_queued_audio_is_bounded_in_seconds(server: ServerProcess, long_audio: b
 
 
 def test_sigterm_drains_running_and_queued_requests(server: ServerProcess, short_audio: bytes) -> None:
-    """Runs last: the server exits. One request running and two queued all finish; new ones are refused."""
+    """Runs last: the server exits. One request running and two queued all finish; new ones are refused.
+
+    The SIGTERM goes to the server's whole process group, as `timeout`, a shell or a service manager
+    sends it: the worker must not take it (it runs in its own group) while the web process drains.
+    """
     batches = metric(server, "specwhisper_batch_size_count")
     results: list[tuple[int, str]] = []
 
@@ -282,7 +286,7 @@ def test_sigterm_drains_running_and_queued_requests(server: ServerProcess, short
         t.start()
     wait_until(lambda: metric(server, "specwhisper_queue_depth") >= 2, what="two requests to queue")
     assert server.proc is not None
-    server.proc.send_signal(signal.SIGTERM)
+    os.killpg(server.proc.pid, signal.SIGTERM)
     for t in threads:
         t.join(300)
     assert results == [(200, SHORT_TEXT)] * 3

@@ -20,9 +20,14 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """A server child process; `env` adds settings (SPECWHISPER_*), `log` receives its output."""
+    """A server child process; `env` adds settings (SPECWHISPER_*), `log` receives its output.
 
-    def __init__(self, env: dict[str, str] | None = None, log: Path | None = None) -> None:
+    own_group: start it in a new session, as the leader of its own process group (`proc.pid` is the
+    group's id), so that the whole group can be signalled as a shell or a service manager would.
+    """
+
+    def __init__(self, env: dict[str, str] | None = None, log: Path | None = None, *, own_group: bool = False) -> None:
+        self.own_group = own_group
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {**os.environ, **(env or {})}
@@ -33,7 +38,7 @@ class ServerProcess:
         """Start the process without waiting for it (several servers can load their models at once)."""
         out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - the child's
         cmd = [sys.executable, "-m", "app", "serve", "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=out)
+        self.proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=out, start_new_session=self.own_group)
         return self
 
     def start(self, timeout: float = 300) -> ServerProcess:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import signal
 import threading
@@ -125,7 +126,12 @@ def worker_main(settings: Settings, conn: Connection) -> None:
     """Entry point of the worker process (spawned)."""
     from app.runtime import build_engine
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the web process decides when we stop
+    # The web process decides when we stop: it drains its requests first, which needs us. So a signal
+    # sent to the server's process group (Ctrl+C in a shell, `timeout`, `kill -TERM -- -PGID`) must
+    # reach the web process only; before this, such a SIGTERM killed the worker mid-batch, failed the
+    # requests being drained and had the worker restarted during shutdown.
+    os.setpgrp()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.perf_counter()
     engine = build_engine(settings, progress=False)
