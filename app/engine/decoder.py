@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from app.engine.int8 import Int8DraftStack, int8_twin
 from app.engine.kernels import PackedLinear
-from app.engine.weights import Tensors, WhisperDims, assign, fused, module_names, renamed
+from app.engine.weights import Tensors, WhisperDims, assign, fused, renamed
 
 # A lone row feeding at most this many tokens takes the one-call step column by column. A draft's
 # module path, 1500 audio frames, 1 / 2 / 3 tokens: 3.5 / 4.4 / 4.6 ms; the one-call step 1.4 /
@@ -63,6 +63,19 @@ class CrossKV:
 
     def select(self, rows: Tensor) -> CrossKV:
         return CrossKV([k.index_select(0, rows) for k in self.keys], [v.index_select(0, rows) for v in self.values])
+
+
+# (this module's name, the transformers checkpoint's) of a decoder layer's plain Linears and norms
+_LAYER_NAMES = (
+    ("self_out", "self_attn.out_proj"),
+    ("self_norm", "self_attn_layer_norm"),
+    ("cross_q", "encoder_attn.q_proj"),
+    ("cross_out", "encoder_attn.out_proj"),
+    ("cross_norm", "encoder_attn_layer_norm"),
+    ("fc1", "fc1"),
+    ("fc2", "fc2"),
+    ("ffn_norm", "final_layer_norm"),
+)
 
 
 class DecoderLayer(nn.Module):
@@ -163,33 +176,21 @@ class TextDecoder(nn.Module):
                 n_layers=dims.decoder_layers,
                 n_positions=dims.max_target_positions,
             )
-        src = "model.decoder"
+        src = "model.decoder."
         tied = dims.tie_word_embeddings or "proj_out.weight" not in tensors
-        names = {
-            "embed.weight": f"{src}.embed_tokens.weight",
-            "positions": f"{src}.embed_positions.weight",
-            "proj.weight": f"{src}.embed_tokens.weight" if tied else "proj_out.weight",
+        embed = tensors[f"{src}embed_tokens.weight"]
+        state = {
+            "embed.weight": embed,
+            "positions": tensors[f"{src}embed_positions.weight"],
+            "proj.weight": embed if tied else tensors["proj_out.weight"],
         }
-        names |= module_names("norm", f"{src}.layer_norm")
-        state = {}
+        state |= renamed(tensors, [("norm", "layer_norm")], theirs=src)
         for i in range(dims.decoder_layers):
-            mine, theirs = f"layers.{i}", f"{src}.layers.{i}"
-            for a, b in (
-                ("self_out", "self_attn.out_proj"),
-                ("self_norm", "self_attn_layer_norm"),
-                ("cross_q", "encoder_attn.q_proj"),
-                ("cross_out", "encoder_attn.out_proj"),
-                ("cross_norm", "encoder_attn_layer_norm"),
-                ("fc1", "fc1"),
-                ("fc2", "fc2"),
-                ("ffn_norm", "final_layer_norm"),
-            ):
-                names |= module_names(f"{mine}.{a}", f"{theirs}.{b}")
-            qkv = [f"{theirs}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
-            state[f"{mine}.qkv.weight"], state[f"{mine}.qkv.bias"] = fused(tensors, qkv)
-            kv = [f"{theirs}.encoder_attn.{p}" for p in ("k_proj", "v_proj")]
-            state[f"{mine}.cross_kv.weight"], state[f"{mine}.cross_kv.bias"] = fused(tensors, kv)
-        assign(dec, renamed(tensors, names) | state)
+            mine, theirs = f"layers.{i}.", f"{src}layers.{i}."
+            state |= renamed(tensors, _LAYER_NAMES, mine, theirs)
+            state |= fused(tensors, f"{mine}qkv", [f"{theirs}self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")])
+            state |= fused(tensors, f"{mine}cross_kv", [f"{theirs}encoder_attn.{p}" for p in ("k_proj", "v_proj")])
+        assign(dec, state)
         if tied:
             cast(nn.Linear, dec.proj).weight = dec.embed.weight
         return dec.eval()

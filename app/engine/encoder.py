@@ -18,7 +18,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from app.engine.kernels import attention, linear_add, linear_gelu
-from app.engine.weights import Tensors, WhisperDims, assign, fused, module_names, renamed
+from app.engine.weights import Tensors, WhisperDims, assign, fused, renamed
+
+# (this module's name, the transformers checkpoint's) of an encoder layer's plain Linears and norms
+_LAYER_NAMES = (
+    ("attn_out", "self_attn.out_proj"),
+    ("attn_norm", "self_attn_layer_norm"),
+    ("fc1", "fc1"),
+    ("fc2", "fc2"),
+    ("ffn_norm", "final_layer_norm"),
+)
 
 
 class EncoderLayer(nn.Module):
@@ -74,25 +83,16 @@ class AudioEncoder(nn.Module):
                 n_layers=dims.encoder_layers,
                 n_frames=dims.max_source_positions,
             )
-        src = "model.encoder"
-        names = {"positions": f"{src}.embed_positions.weight"}
-        for mine, theirs in (("conv1", "conv1"), ("conv2", "conv2"), ("norm", "layer_norm")):
-            names |= module_names(mine, f"{src}.{theirs}")
+        src = "model.encoder."
+        state = {"positions": tensors[f"{src}embed_positions.weight"]}
+        state |= renamed(tensors, [("conv1", "conv1"), ("conv2", "conv2"), ("norm", "layer_norm")], theirs=src)
         query_scale = (dims.d_model // dims.encoder_attention_heads) ** -0.5
-        state = {}
         for i in range(dims.encoder_layers):
-            mine, theirs = f"layers.{i}", f"{src}.layers.{i}"
-            for a, b in (
-                ("attn_out", "self_attn.out_proj"),
-                ("attn_norm", "self_attn_layer_norm"),
-                ("fc1", "fc1"),
-                ("fc2", "fc2"),
-                ("ffn_norm", "final_layer_norm"),
-            ):
-                names |= module_names(f"{mine}.{a}", f"{theirs}.{b}")
-            qkv = [f"{theirs}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
-            state[f"{mine}.qkv.weight"], state[f"{mine}.qkv.bias"] = fused(tensors, qkv, [query_scale, 1.0, 1.0])
-        assign(enc, renamed(tensors, names) | state)
+            mine, theirs = f"layers.{i}.", f"{src}layers.{i}."
+            state |= renamed(tensors, _LAYER_NAMES, mine, theirs)
+            qkv = [f"{theirs}self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+            state |= fused(tensors, f"{mine}qkv", qkv, [query_scale, 1.0, 1.0])
+        assign(enc, state)
         return enc.eval()
 
     def forward(self, features: Tensor) -> Tensor:

@@ -50,19 +50,20 @@ class WhisperDims:
         return cls(**values, decoder_only="WhisperForCausalLM" in (config.get("architectures") or ()))
 
 
-def renamed(tensors: Tensors, names: Mapping[str, str]) -> dict[str, Tensor]:
-    """{module name: tensors[checkpoint name]} for a {module name: checkpoint name} map."""
-    return {mine: tensors[theirs] for mine, theirs in names.items()}
+def renamed(tensors: Tensors, pairs: Sequence[tuple[str, str]], mine: str = "", theirs: str = "") -> dict[str, Tensor]:
+    """The weight and bias of each Linear, LayerNorm or Conv1d `theirs.b` of the checkpoint as `mine.a`,
+    for the (a, b) in `pairs`: {"mine.a.weight": tensors["theirs.b.weight"], "mine.a.bias": ...}."""
+    out = {}
+    for a, b in pairs:
+        for part in ("weight", "bias"):
+            out[f"{mine}{a}.{part}"] = tensors[f"{theirs}{b}.{part}"]
+    return out
 
 
-def module_names(mine: str, theirs: str, bias: bool = True) -> dict[str, str]:
-    """The parameter name map of one Linear, LayerNorm or Conv1d (`weight`, and `bias` unless told)."""
-    parts = ("weight", "bias") if bias else ("weight",)
-    return {f"{mine}.{p}": f"{theirs}.{p}" for p in parts}
-
-
-def fused(tensors: Tensors, parts: Sequence[str], scales: Sequence[float] | None = None) -> tuple[Tensor, Tensor]:
-    """The weight and bias of projections `parts` stacked along the output dimension, part i times scales[i].
+def fused(
+    tensors: Tensors, into: str, parts: Sequence[str], scales: Sequence[float] | None = None
+) -> dict[str, Tensor]:
+    """Projections `parts` stacked along the output dimension (part i times scales[i]) as `into`'s weight and bias.
 
     A part without a bias (Whisper's key projections) contributes zeros to the fused bias.
     """
@@ -75,7 +76,7 @@ def fused(tensors: Tensors, parts: Sequence[str], scales: Sequence[float] | None
         if bias is None:
             bias = torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device)
         biases.append(bias * scale)
-    return torch.cat(weights), torch.cat(biases)
+    return {f"{into}.weight": torch.cat(weights), f"{into}.bias": torch.cat(biases)}
 
 
 def assign(module: nn.Module, state: Mapping[str, Tensor]) -> None:
