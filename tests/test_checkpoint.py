@@ -133,6 +133,12 @@ def test_missing_weights_and_foreign_configs_are_refused(reference: Path, store:
     (foreign / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
     with pytest.raises(ValueError, match="not a Whisper checkpoint"):
         load_model(str(foreign), store, progress=False)
+    for layers, error in ((1, "does not account for"), (3, "no tensor")):
+        wrong = tmp_path / f"layers-{layers}"
+        shutil.copytree(reference, wrong)
+        (wrong / "config.json").write_text(json.dumps({**config, "decoder_layers": layers}))
+        with pytest.raises(CheckpointError, match=error):
+            load_model(str(wrong), store, progress=False)
     lost = tmp_path / "lost"
     shutil.copytree(reference, lost)
     (lost / "model.safetensors").unlink()

@@ -7,6 +7,7 @@ what the server's counters say about work it dropped.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -266,11 +267,46 @@ def test_queued_audio_is_bounded_in_seconds(server: ServerProcess, long_audio: b
     assert results["short"].json()["text"] == SHORT_TEXT
 
 
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_worker_does_not_outlive_a_killed_server(long_audio: bytes, tmp_path: Path) -> None:
+    """SIGKILL to the server's whole group while a 3-minute upload is being transcribed: the worker,
+    in a session of its own, must go with the web process rather than finish the batch for no one."""
+    samples, rate = sf.read(io.BytesIO(long_audio), dtype="float32")
+    buf = io.BytesIO()
+    sf.write(buf, np.tile(samples, 4), rate, format="WAV")
+    env = {"SPECWHISPER_MAX_BATCH": "1", "SPECWHISPER_BATCH_WINDOW_MS": "0"}
+    srv = ServerProcess(env, log=tmp_path / "server.log", own_group=True).start()
+    assert srv.proc is not None
+    try:
+        worker = httpx.get(f"{srv.url}/health/ready").json()["worker_pid"]
+
+        def upload() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # the server is killed under it
+                post(srv, buf.getvalue())
+
+        thread = threading.Thread(target=upload)
+        thread.start()
+        wait_until(lambda: metric(srv, "specwhisper_batch_size_count") >= 1, what="the batch to start")
+        os.killpg(srv.proc.pid, signal.SIGKILL)
+        wait_until(lambda: not _alive(worker), timeout=10, what="the worker to exit")
+        thread.join(60)
+    finally:
+        srv.stop()
+
+
 def test_sigterm_drains_running_and_queued_requests(server: ServerProcess, short_audio: bytes) -> None:
     """Runs last: the server exits. One request running and two queued all finish; new ones are refused.
 
-    The SIGTERM goes to the server's whole process group, as `timeout`, a shell or a service manager
-    sends it: the worker must not take it (it runs in its own group) while the web process drains.
+    The SIGTERM goes to the server's whole process group, as `timeout` or `kill -TERM -- -PGID` send
+    it: the worker must not take it (it runs in its own session) while the web process drains.
     """
     batches = metric(server, "specwhisper_batch_size_count")
     results: list[tuple[int, str]] = []

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -97,6 +99,7 @@ class Inbox:
         self._conn = conn
         self._batches: queue.Queue[BatchRequest | None] = queue.Queue()  # None: stop
         self._cancelled: set[str] = set()
+        self._orphaned = False  # the web process is gone: whatever runs is for no one
         threading.Thread(target=self._read, name="worker-inbox", daemon=True).start()
 
     def _read(self) -> None:
@@ -104,6 +107,7 @@ class Inbox:
             try:
                 message = self._conn.recv()
             except (EOFError, OSError):
+                self._orphaned = True
                 message = None
             if isinstance(message, Cancel):
                 self._cancelled.add(message.request_id)
@@ -119,19 +123,35 @@ class Inbox:
         return self._batches.get(timeout=timeout)
 
     def is_cancelled(self, request_id: str) -> bool:
-        return request_id in self._cancelled
+        return self._orphaned or request_id in self._cancelled
+
+
+def leave_the_server_group() -> None:
+    """Leave the web process's session and process group, but die with the web process.
+
+    The web process decides when we stop: it drains its requests first, which needs us. So a signal
+    sent to the server's process group (`timeout`, `kill -TERM -- -PGID`, a terminal's hang-up) must
+    reach the web process only; before, such a SIGTERM killed the worker mid-batch, failed the
+    requests being drained and had the worker restarted during shutdown. A new session also keeps
+    the terminal's job control (SIGTTOU, Ctrl+Z) off the worker. In exchange, a signal that kills
+    the whole group no longer kills us: on Linux the kernel sends us SIGKILL when the web process
+    dies (elsewhere the inbox sees the pipe close and the running batch stops at its next window).
+    """
+    parent = os.getppid()
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(1)
 
 
 def worker_main(settings: Settings, conn: Connection) -> None:
     """Entry point of the worker process (spawned)."""
+    leave_the_server_group()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the web process decides when we stop
     from app.runtime import build_engine
 
-    # The web process decides when we stop: it drains its requests first, which needs us. So a signal
-    # sent to the server's process group (Ctrl+C in a shell, `timeout`, `kill -TERM -- -PGID`) must
-    # reach the web process only; before this, such a SIGTERM killed the worker mid-batch, failed the
-    # requests being drained and had the worker restarted during shutdown.
-    os.setpgrp()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.perf_counter()
     engine = build_engine(settings, progress=False)

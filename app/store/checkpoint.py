@@ -36,7 +36,7 @@ def checkpoint_file(ref: str, name: str) -> Path | None:
     if Path(ref).is_dir():
         return local if local.is_file() else None
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
+    from huggingface_hub.utils import EntryNotFoundError
 
     try:
         return Path(hf_hub_download(ref, name))
@@ -63,13 +63,15 @@ class CheckpointTensors(Mapping[str, Tensor]):
         self.ref, self.device, self.dtype = ref, device, dtype
         self._files = ExitStack()
         self._where: dict[str, tuple[Any, str]] = {}  # name -> (open file, name in that file)
-        for name in WEIGHT_FILES:
-            path = checkpoint_file(ref, name)
-            if path is not None:
-                self._open(path, ref)
-                break
-        else:
-            raise CheckpointError(f"{ref}: no weights (looked for {', '.join(WEIGHT_FILES)})")
+        self._read: set[str] = set()
+        try:
+            path = next(filter(None, (checkpoint_file(ref, name) for name in WEIGHT_FILES)), None)
+            if path is None:
+                raise CheckpointError(f"{ref}: no weights (looked for {', '.join(WEIGHT_FILES)})")
+            self._open(path, ref)
+        except BaseException:
+            self._files.close()
+            raise
         if not any(name.startswith("model.") for name in self._where):
             self._where = {f"model.{name}": where for name, where in self._where.items()}
 
@@ -92,12 +94,19 @@ class CheckpointTensors(Mapping[str, Tensor]):
 
     def __getitem__(self, name: str) -> Tensor:
         source, key = self._where[name]
-        if isinstance(source, dict):  # a memory-mapped legacy state dict: copy out of the file
-            tensor, copy = source[key], True
-        else:  # safetensors hands out a fresh tensor
-            tensor, copy = source.get_tensor(key), False
+        self._read.add(name)
+        # Both formats hand out views of a private memory map of the file: always copy, so that no
+        # parameter stays backed by a file that may be rewritten while the model runs.
+        tensor = source[key] if isinstance(source, dict) else source.get_tensor(key)
         dtype = self.dtype if tensor.is_floating_point() else tensor.dtype
-        return tensor.to(device=self.device, dtype=dtype, copy=copy)
+        return tensor.to(device=self.device, dtype=dtype, copy=True)
+
+    def __contains__(self, name: object) -> bool:  # without reading the tensor, as Mapping's would
+        return name in self._where
+
+    def unread(self, prefix: str) -> list[str]:
+        """Names under `prefix` that no one asked for (for example layers the config does not count)."""
+        return sorted(name for name in self._where if name.startswith(prefix) and name not in self._read)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)

@@ -62,9 +62,15 @@ def load_model(
     dims = WhisperDims.from_config(config)
     encoder: AudioEncoder | None = None
     with CheckpointTensors(path, device=device, dtype=dtype) as tensors:
-        if not dims.decoder_only and keep_encoder:
-            encoder = AudioEncoder.from_weights(dims, tensors)
-        decoder = TextDecoder.from_weights(dims, tensors)
+        try:
+            if not dims.decoder_only and keep_encoder:
+                encoder = AudioEncoder.from_weights(dims, tensors)
+            decoder = TextDecoder.from_weights(dims, tensors)
+        except KeyError as exc:
+            raise CheckpointError(f"{path}: no tensor {exc} (config.json does not match the weights)") from exc
+        unread = tensors.unread("model.decoder.") + (tensors.unread("model.encoder.") if encoder is not None else [])
+        if unread:
+            raise CheckpointError(f"{path}: config.json does not account for {len(unread)} tensors, e.g. {unread[0]}")
     # fp32 on the CPU: every product on oneDNN's kernels with prepacked weights (app/engine/kernels.py).
     # Torch's default GEMM streamed the decoder's 1..k-row products, above all the 100 MB vocabulary
     # projection, at a fraction of the memory bandwidth (docs/performance.md).
