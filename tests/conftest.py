@@ -67,12 +67,17 @@ def base_dir(store: ModelStore, base: WhisperModel) -> Path:
     return Path(base.source)
 
 
-def save_checkpoint(hf_model, like: Path, into: Path) -> Path:
-    """Save a transformers Whisper model with the tokenizer and generation config of `like`."""
-    hf_model.save_pretrained(into)
+def copy_side_files(like: Path, into: Path) -> Path:
+    """The tokenizer, generation and preprocessor configs of checkpoint `like` into `into`."""
     for name in ("tokenizer.json", "generation_config.json", "preprocessor_config.json"):
         shutil.copyfile(like / name, into / name)
     return into
+
+
+def save_checkpoint(hf_model, like: Path, into: Path) -> Path:
+    """Save a transformers Whisper model with the tokenizer and generation config of `like`."""
+    hf_model.save_pretrained(into)
+    return copy_side_files(like, into)
 
 
 @pytest.fixture(scope="session")

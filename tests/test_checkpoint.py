@@ -18,9 +18,8 @@ from app.engine.weights import WhisperDims
 from app.store.catalog import ModelStore
 from app.store.checkpoint import CheckpointError
 from app.store.loader import load_model
+from tests.conftest import copy_side_files, save_checkpoint
 from tests.drafts import random_tiny_checkpoint
-
-SIDE_FILES = ("tokenizer.json", "generation_config.json", "preprocessor_config.json")
 
 
 def parameters(model: WhisperModel) -> dict[str, Tensor]:
@@ -35,12 +34,6 @@ def assert_same(a: dict[str, Tensor], b: dict[str, Tensor]) -> None:
     assert a.keys() == b.keys()
     differ = [name for name in a if a[name].dtype != b[name].dtype or not torch.equal(a[name], b[name])]
     assert not differ, differ[:5]
-
-
-def with_side_files(into: Path, like: Path) -> Path:
-    for name in SIDE_FILES:
-        shutil.copyfile(like / name, into / name)
-    return into
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +76,10 @@ def test_sharded_and_legacy_files_load_the_same(
     legacy.mkdir()
     shutil.copyfile(reference / "config.json", legacy / "config.json")
     torch.save(hf.state_dict(), legacy / "pytorch_model.bin")
-    bare = tmp_path / "bare"  # a WhisperModel without the LM head: names without the "model." prefix
-    hf.model.save_pretrained(bare)
+    # A WhisperModel without the LM head: names without the "model." prefix.
+    bare = save_checkpoint(hf.model, reference, tmp_path / "bare")
     for path in (sharded, legacy, bare):
-        assert_same(parameters(load_model(str(with_side_files(path, reference)), store, progress=False)), expected)
+        assert_same(parameters(load_model(str(copy_side_files(reference, path)), store, progress=False)), expected)
 
 
 def test_untied_projection_and_decoder_only_checkpoints(reference: Path, store: ModelStore, tmp_path: Path) -> None:
@@ -98,8 +91,7 @@ def test_untied_projection_and_decoder_only_checkpoints(reference: Path, store: 
     untied.load_state_dict(hf.state_dict(), strict=False)
     with torch.no_grad():
         untied.proj_out.weight.copy_(hf.proj_out.weight * 0.5)
-    untied.save_pretrained(tmp_path / "untied")
-    model = load_model(str(with_side_files(tmp_path / "untied", reference)), store, progress=False)
+    model = load_model(str(save_checkpoint(untied, reference, tmp_path / "untied")), store, progress=False)
     with torch.no_grad():
         embed = untied.model.decoder.embed_tokens.weight
         assert torch.equal(model.decoder.embed.weight, embed)
@@ -110,8 +102,7 @@ def test_untied_projection_and_decoder_only_checkpoints(reference: Path, store: 
 
     causal = WhisperForCausalLM(WhisperConfig.from_pretrained(reference))
     causal.model.decoder.load_state_dict(hf.model.decoder.state_dict())
-    causal.save_pretrained(tmp_path / "causal")
-    assistant = load_model(str(with_side_files(tmp_path / "causal", reference)), store, progress=False)
+    assistant = load_model(str(save_checkpoint(causal, reference, tmp_path / "causal")), store, progress=False)
     assert assistant.encoder is None
     full = load_model(str(reference), store, progress=False)
     assert_same(parameters(assistant), {k: v for k, v in parameters(full).items() if k.startswith("decoder.")})
