@@ -272,25 +272,27 @@ class Engine:
             first = _Job(self.main, tone, DecodingOptions(language="en"))
             features = first.features().unsqueeze(0)
             encoder_out = self.main.encode(features)
-            audio_frames = -(-first.segment_frames // INPUT_STRIDE)
             for batch in sorted(sizes):
-                rows_out = encoder_out.expand(batch, -1, -1).contiguous()
-                cross = self.main.decoder.cross_kv(rows_out)
-                inputs = DraftInputs(features.expand(batch, -1, -1).contiguous(), rows_out, cross, audio_frames)
+                wide_features = features.expand(batch, -1, -1).contiguous()
+                wide_states = encoder_out.expand(batch, -1, -1).contiguous()
+                inputs = self._inputs(wide_features, wide_states, first.segment_frames)
                 for use in (True, False) if self.drafter is not None else (False,):
                     options = DecodingOptions(language="en", use_assistant=use)
                     jobs = [_Job(self.main, tone, options) for _ in range(batch)]
-                    self._decode(jobs, [0.0] * batch, cross, inputs, torch.arange(batch))
+                    self._decode(jobs, [0.0] * batch, inputs.main_cross, inputs, torch.arange(batch))
         return sizes
+
+    def _inputs(self, features: torch.Tensor, encoder_out: torch.Tensor, segment_frames: int) -> DraftInputs:
+        """A window's cross-attention K/V and what its drafter gets, for its longest row's mel frames."""
+        cross = self.main.decoder.cross_kv(encoder_out)
+        return DraftInputs(features, encoder_out, cross, audio_frames=-(-segment_frames // INPUT_STRIDE))
 
     # -- one window of every active job --------------------------------------------------------
     def _window(self, jobs: list[_Job], batch: int) -> None:
         t0 = time.perf_counter()
         features = torch.stack([job.features() for job in jobs])
-        encoder_out = self.main.encode(features)
-        cross = self.main.decoder.cross_kv(encoder_out)
-        audio_frames = -(-max(job.segment_frames for job in jobs) // INPUT_STRIDE)
-        session_inputs = DraftInputs(features, encoder_out, cross, audio_frames)
+        session_inputs = self._inputs(features, self.main.encode(features), max(job.segment_frames for job in jobs))
+        cross = session_inputs.main_cross
         t1 = time.perf_counter()
         tok = self.main.tokenizer
         undetected = [i for i, job in enumerate(jobs) if job.language is None]
