@@ -15,7 +15,7 @@ from torch import Tensor
 
 from app.engine.model import WhisperModel
 from app.engine.weights import WhisperDims
-from app.store.catalog import ModelStore
+from app.store.catalog import ModelNotFoundError, ModelStore
 from app.store.checkpoint import CheckpointError
 from app.store.loader import load_model
 from tests.conftest import copy_side_files, save_checkpoint
@@ -136,6 +136,54 @@ def test_missing_weights_and_foreign_configs_are_refused(reference: Path, store:
     (lost / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "gone.safetensors"}}))
     with pytest.raises(CheckpointError, match=r"gone\.safetensors, which is missing"):
         load_model(str(lost), store, progress=False)
+
+
+def hub_cache(root: Path, repo: str, files: dict[str, Path | None]) -> None:
+    """`repo` laid out as huggingface_hub caches it: `files` in a snapshot of `main`, or, where the
+    source is None, marked as absent on the hub (what the cache records after a 404)."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    folder = root / f"models--{repo.replace('/', '--')}"
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text(commit)
+    for name, source in files.items():
+        target = folder / ("snapshots" if source is not None else ".no_exist") / commit / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source is not None:
+            shutil.copyfile(source, target)
+        else:
+            target.touch()
+
+
+def test_hub_ids_load_offline_from_the_cache_or_say_what_it_lacks(
+    reference: Path, expected: dict[str, Tensor], store: ModelStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from huggingface_hub import constants
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # as HF_HUB_OFFLINE=1 would at import
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    side: dict[str, Path | None] = {
+        name: reference / name for name in ("config.json", "generation_config.json", "tokenizer.json")
+    }
+    torch.save(load_file(reference / "model.safetensors"), tmp_path / "pytorch_model.bin")
+    hub_cache(tmp_path / "hub", "org/cached", side | {"model.safetensors": reference / "model.safetensors"})
+    # An old repository: the hub said it has no safetensors; the cache holds the legacy file.
+    hub_cache(
+        tmp_path / "hub",
+        "org/legacy",
+        side | {"model.safetensors": None, "pytorch_model.bin": tmp_path / "pytorch_model.bin"},
+    )
+    hub_cache(tmp_path / "hub", "org/partial", side)  # the download was cut short
+
+    cached = load_model("org/cached", store, progress=False)
+    assert cached.name == "org/cached"
+    assert_same(parameters(cached), expected)
+    assert_same(parameters(load_model("org/legacy", store, progress=False)), expected)
+    # Not "no weights": the cache lacks them and the hub cannot be asked whether they exist.
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is not in the local Hugging Face cache"):
+        load_model("org/partial", store, progress=False)
+    with pytest.raises(ModelNotFoundError, match=r"embedded model .*config\.json is not in the local Hugging Face"):
+        load_model("org/elsewhere", store, progress=False)
 
 
 def test_loading_a_model_does_not_import_transformers_model_code(base_dir: Path) -> None:

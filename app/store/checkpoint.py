@@ -30,18 +30,61 @@ class CheckpointError(ValueError):
     """A checkpoint's files are missing or are not a Whisper model's."""
 
 
+class HubUnreachableError(CheckpointError):
+    """A hub file is not in the local cache, and the hub cannot be asked whether it exists."""
+
+
 def checkpoint_file(ref: str, name: str) -> Path | None:
-    """`name` in the local directory `ref`, or in the hub repository `ref` (downloaded once); None if absent."""
+    """`name` in the local directory `ref`, or in the hub repository `ref` (downloaded once); None if absent.
+
+    Raises CheckpointError when the hub cannot say: no such repository (or one the token may not
+    read), or the file is not in the local cache and the hub cannot be reached (offline).
+    """
     local = Path(ref) / name
     if Path(ref).is_dir():
         return local if local.is_file() else None
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.utils import EntryNotFoundError
+    from huggingface_hub import _CACHED_NO_EXIST, hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.utils import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
     try:
         return Path(hf_hub_download(ref, name))
+    except LocalEntryNotFoundError as exc:  # before EntryNotFoundError, of which it is a subclass
+        if try_to_load_from_cache(ref, name) is _CACHED_NO_EXIST:  # the hub said so before
+            return None
+        raise HubUnreachableError(
+            f"{ref}: {name} is not in the local Hugging Face cache and the hub cannot be reached"
+            " (offline?); fetch the model once with network access, or give a local directory"
+        ) from exc
     except EntryNotFoundError:
         return None
+    except GatedRepoError as exc:
+        raise CheckpointError(f"{ref}: a gated repository; accept its terms on the hub and set HF_TOKEN") from exc
+    except RepositoryNotFoundError as exc:
+        raise CheckpointError(f"{ref}: no such model repository on the hub (a private one needs HF_TOKEN)") from exc
+    except HFValidationError as exc:
+        raise CheckpointError(f"{ref}: not a valid hub id ({exc})") from exc
+
+
+def _weights_file(ref: str) -> Path:
+    """The first of WEIGHT_FILES that `ref` has; offline, the first the cache has."""
+    unknown: HubUnreachableError | None = None
+    for name in WEIGHT_FILES:
+        try:
+            path = checkpoint_file(ref, name)
+        except HubUnreachableError as exc:  # a cached legacy .bin still serves, as in transformers
+            unknown = unknown or exc
+            continue
+        if path is not None:
+            return path
+    if unknown is not None:
+        raise unknown
+    raise CheckpointError(f"{ref}: no weights (looked for {', '.join(WEIGHT_FILES)})")
 
 
 def read_config(ref: str) -> dict[str, Any]:
@@ -65,10 +108,7 @@ class CheckpointTensors(Mapping[str, Tensor]):
         self._where: dict[str, tuple[Any, str]] = {}  # name -> (open file, name in that file)
         self._read: set[str] = set()
         try:
-            path = next(filter(None, (checkpoint_file(ref, name) for name in WEIGHT_FILES)), None)
-            if path is None:
-                raise CheckpointError(f"{ref}: no weights (looked for {', '.join(WEIGHT_FILES)})")
-            self._open(path, ref)
+            self._open(_weights_file(ref), ref)
         except BaseException:
             self._files.close()
             raise

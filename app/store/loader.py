@@ -15,7 +15,7 @@ from app.engine.kernels import pack_linears
 from app.engine.model import GenerationConstants, WhisperModel
 from app.engine.tokenizer import WhisperTokenizer
 from app.engine.weights import WhisperDims
-from app.store.catalog import ModelStore
+from app.store.catalog import EMBEDDED, ModelNotFoundError, ModelStore
 from app.store.checkpoint import CheckpointError, CheckpointTensors, checkpoint_file, read_config
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,15 @@ def load_model(
     """Load `ref` (see `ModelStore.resolve`) as an engine model on `device`."""
     device = device or torch.device("cpu")
     path = store.resolve(ref, progress=progress)
-    config = read_config(path)
+    try:
+        config = read_config(path)
+    except CheckpointError as exc:
+        if Path(path).is_dir():
+            raise
+        raise ModelNotFoundError(
+            f"{ref!r} is not a model directory, a model in {store.root} ({', '.join(store.installed()) or 'none'}),"
+            f" or an embedded model ({', '.join(EMBEDDED)}); as a hub id: {exc}"
+        ) from exc
     dims = WhisperDims.from_config(config)
     encoder: AudioEncoder | None = None
     with CheckpointTensors(path, device=device, dtype=dtype) as tensors:
