@@ -139,6 +139,46 @@ def test_worker_death_fails_in_flight_and_queued_requests_within_a_second(
     assert ok.status_code == 200 and ok.json()["text"] == SHORT_TEXT
 
 
+def test_a_worker_that_dies_while_loading_is_restarted_after_a_pause(server: ServerProcess) -> None:
+    """A worker that served is restarted at once; one that dies again before it is ready waits 1 s,
+    then 2, 4 ... so that a crash loop does not spin (the log says which)."""
+    assert server.log_path is not None
+
+    def worker_pid() -> int:
+        return int(httpx.get(f"{server.url}/health/ready").json()["worker_pid"])
+
+    serving = worker_pid()
+    os.kill(serving, signal.SIGKILL)
+    wait_until(lambda: worker_pid() != serving, what="a new worker")
+    loading = worker_pid()
+    assert httpx.get(f"{server.url}/health/ready").status_code == 503  # still loading its models
+    os.kill(loading, signal.SIGKILL)
+    wait_until(lambda: worker_pid() not in (serving, loading), what="the second restart")
+    server.wait_ready(180)
+    log = server.log_path.read_text()
+    assert log.count("restarting in 0 s") >= 1 and log.count("restarting in 1 s") == 1, log[-2000:]
+    assert httpx.get(f"{server.url}/health/ready").json()["worker_restarts"] >= 2
+
+
+def test_a_model_that_cannot_load_stops_the_server_with_the_reason(tmp_path: Path) -> None:
+    """Settings that name no usable model: one worker tries, and the server exits with status 1 and
+    the reason, instead of restarting the worker forever behind a 503."""
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    log = tmp_path / "server.log"
+    srv = ServerProcess({"SPECWHISPER_MODEL": str(empty)}, log=log).launch()
+    assert srv.proc is not None
+    try:
+        code = srv.proc.wait(timeout=120)
+    finally:
+        srv.stop()
+    text = log.read_text()
+    assert code == 1, text[-2000:]
+    assert text.count("so it is not restarted") == 1 and "restarting" not in text, text[-2000:]
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("error: the server stopped:") and "neither a Hugging Face nor a CTranslate2" in last
+
+
 def test_slow_upload_does_not_block_other_requests(server: ServerProcess, short_audio: bytes) -> None:
     body, content_type = multipart(short_audio)
     sock, head = raw_request(server, body, content_type)

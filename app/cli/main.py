@@ -50,14 +50,25 @@ def _serve(args: argparse.Namespace) -> int:
 
     overrides = {k: v for k, v in {"host": args.host, "port": args.port}.items() if v is not None}
     settings = _settings(args).model_copy(update=overrides)
-    uvicorn.run(
-        create_app(settings),
+    failures: list[str] = []
+
+    def stop(reason: str) -> None:  # the worker cannot load the models: a restart would not help
+        failures.append(reason)
+        server.should_exit = True
+
+    config = uvicorn.Config(
+        create_app(settings, on_fatal=stop),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
         timeout_graceful_shutdown=int(settings.shutdown_timeout_s) + 5,
     )
-    return 0
+    server = uvicorn.Server(config)
+    server.run()
+    if failures:
+        print(f"error: the server stopped: {failures[0]}", file=sys.stderr)
+        return 1
+    return 0 if server.started else 3  # 3: uvicorn's own status for a failed start-up
 
 
 def _models(args: argparse.Namespace) -> int:

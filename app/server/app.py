@@ -39,7 +39,12 @@ def _error_response(err: errors.ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=dict(err.headers))
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, *, on_fatal: Callable[[str], None] | None = None) -> FastAPI:
+    """The app; `on_fatal(reason)` is called when it can never serve (the worker cannot load the models).
+
+    Without `on_fatal` such an app stays up and says why in `/health/ready` and in its 503s;
+    `python -m app serve` passes one that stops the server with exit status 1.
+    """
     settings = settings or Settings()
     metrics = ServerMetrics()
 
@@ -51,7 +56,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redact_logs(settings.api_keys)  # uvicorn has configured logging by now
-        worker = WorkerSupervisor(settings, on_ready=on_ready, on_batch=metrics.observe_batch)
+        worker = WorkerSupervisor(settings, on_ready=on_ready, on_batch=metrics.observe_batch, on_fatal=on_fatal)
         batcher = Batcher(
             worker,
             metrics,

@@ -63,5 +63,12 @@ class Ready:
 
 
 @dataclass(frozen=True)
+class LoadFailed:
+    """The worker could not load its models; it exits after sending this."""
+
+    error: str
+
+
+@dataclass(frozen=True)
 class Stop:
     pass

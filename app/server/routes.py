@@ -148,6 +148,8 @@ async def ready(request: Request) -> JSONResponse:
         "worker_restarts": worker.restarts,
         "worker_pid": worker.pid,
     }
+    if worker.failure is not None:
+        body["error"] = worker.failure
     return JSONResponse(body, status_code=200 if worker.is_ready else 503)
 
 

@@ -13,11 +13,13 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
-from app.server.protocol import BatchRequest, BatchResult, Cancel, Job, JobResult, Progress, Ready, Stop
+from app.server.protocol import BatchRequest, BatchResult, Cancel, Job, JobResult, LoadFailed, Progress, Ready, Stop
 from app.server.worker import worker_main
 from app.settings import Settings
 
 log = logging.getLogger("specwhisper.supervisor")
+
+MAX_RESTART_DELAY_S = 30.0
 
 
 class WorkerUnavailable(RuntimeError):
@@ -25,19 +27,30 @@ class WorkerUnavailable(RuntimeError):
 
 
 class WorkerSupervisor:
-    """Owns one worker process; restarts it when it dies, failing its in-flight batch at once."""
+    """Owns one worker process; restarts it when it dies, failing its in-flight batch at once.
+
+    A worker that dies again before it is ready is restarted after a growing delay (1, 2, 4 ... 30 s),
+    so that a crash loop does not spin. One that cannot load the models at the first start is not
+    restarted: the settings name no usable model, and `on_fatal` receives the worker's reason.
+    """
 
     def __init__(
         self,
         settings: Settings,
         on_ready: Callable[[Ready], None] | None = None,
         on_batch: Callable[[BatchResult], None] | None = None,
+        on_fatal: Callable[[str], None] | None = None,
     ) -> None:
         self.settings = settings
         self.on_ready = on_ready
         self.on_batch = on_batch
+        self.on_fatal = on_fatal
         self.ready: Ready | None = None
+        self.failure: str | None = None  # why the worker could not load the models, when it gave up
         self.restarts = 0
+        self._ever_ready = False
+        self._load_error: str | None = None
+        self._unready_exits = 0  # exits since the worker was last ready
         self._ids = itertools.count()
         self._proc: BaseProcess | None = None
         self._conn: Connection | None = None
@@ -62,6 +75,9 @@ class WorkerSupervisor:
         self._spawn()
 
     def _spawn(self) -> None:
+        if self._stopping:  # a delayed restart after stop()
+            return
+        self._load_error = None
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=worker_main, args=(self.settings, child), name="specwhisper-worker", daemon=True)
@@ -71,7 +87,9 @@ class WorkerSupervisor:
         self._proc, self._conn = proc, parent
         self.ready = None
         self._ready_event.clear()
-        threading.Thread(target=self._read, args=(parent, self._generation), name="worker-reader", daemon=True).start()
+        reader = threading.Thread(target=self._read, args=(parent, proc, self._generation), name="worker-reader")
+        reader.daemon = True
+        reader.start()
         log.info("worker started (pid %s)", proc.pid)
 
     async def wait_ready(self, timeout: float) -> bool:
@@ -79,13 +97,14 @@ class WorkerSupervisor:
             await asyncio.wait_for(self._ready_event.wait(), timeout)
         return self.is_ready
 
-    def _read(self, conn: Connection, generation: int) -> None:
+    def _read(self, conn: Connection, proc: BaseProcess, generation: int) -> None:
         """Reader thread: hands every message to the event loop; EOF means the worker is gone."""
         assert self._loop is not None
         while True:
             try:
                 message = conn.recv()
             except (EOFError, OSError):
+                proc.join(timeout=5)  # here, not on the event loop: its exit code is then known
                 self._loop.call_soon_threadsafe(self._on_exit, generation)
                 return
             self._loop.call_soon_threadsafe(self._on_message, message)
@@ -93,12 +112,16 @@ class WorkerSupervisor:
     def _on_message(self, message: object) -> None:
         if isinstance(message, Ready):
             self.ready = message
+            self._ever_ready = True
+            self._unready_exits = 0
             self._ready_event.set()
             log.info(
                 "worker ready: %s (assistant %s) in %.1f s", message.model, message.assistant, message.load_seconds
             )
             if self.on_ready:
                 self.on_ready(message)
+        elif isinstance(message, LoadFailed):
+            self._load_error = message.error
         elif isinstance(message, Progress):
             for listener in self._listeners.values():
                 listener(message)
@@ -113,7 +136,7 @@ class WorkerSupervisor:
     def _on_exit(self, generation: int) -> None:
         if generation != self._generation:
             return
-        self.ready = None
+        was_ready, self.ready = self.ready is not None, None
         self._ready_event.clear()
         failed = list(self._inflight.values())
         self._inflight.clear()
@@ -124,14 +147,26 @@ class WorkerSupervisor:
         if self._stopping:
             return
         code = self._proc.exitcode if self._proc is not None else None
-        log.error("worker exited (code %s); restarting, %d batch(es) failed", code, len(failed))
+        if self._load_error is not None and not self._ever_ready:
+            self.failure = self._load_error
+            log.critical("the worker cannot load the models, so it is not restarted: %s", self.failure)
+            if self.on_fatal:
+                self.on_fatal(self.failure)
+            return
+        if was_ready:  # a crash in service: restart at once
+            delay = 0.0
+        else:
+            self._unready_exits += 1
+            delay = min(MAX_RESTART_DELAY_S, 2.0 ** (self._unready_exits - 1))
+        log.error("worker exited (code %s); restarting in %.0f s, %d batch(es) failed", code, delay, len(failed))
         self.restarts += 1
-        if self._proc is not None:
-            self._proc.join(timeout=1)
-        self._spawn()
+        assert self._loop is not None
+        self._loop.call_later(delay, self._spawn)
 
     async def run(self, jobs: list[Job], on_progress: Callable[[Progress], None] | None = None) -> list[JobResult]:
         """Run one batch; `on_progress` receives the Progress messages of its streaming jobs."""
+        if self.failure is not None:
+            raise WorkerUnavailable(f"the worker cannot load the models: {self.failure}")
         if not self.is_ready or self._conn is None:
             raise WorkerUnavailable("the worker is not ready")
         loop = asyncio.get_running_loop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import logging
@@ -17,8 +18,10 @@ from multiprocessing.connection import Connection
 from app.engine.adaptive import BatchCost, Mode, ModePolicy
 from app.engine.transcriber import Engine, InvalidRequestError, Segment
 from app.server.heap import heap_trimmer
-from app.server.protocol import BatchRequest, BatchResult, Cancel, Job, JobResult, Progress, Ready
+from app.server.protocol import BatchRequest, BatchResult, Cancel, Job, JobResult, LoadFailed, Progress, Ready
 from app.settings import Settings
+from app.store.catalog import ModelNotFoundError
+from app.store.checkpoint import CheckpointError
 
 log = logging.getLogger("specwhisper.worker")
 
@@ -150,12 +153,25 @@ def worker_main(settings: Settings, conn: Connection) -> None:
     """Entry point of the worker process (spawned)."""
     leave_the_server_group()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the web process decides when we stop
+    from huggingface_hub.utils import disable_progress_bars
+
     from app.runtime import build_engine
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.perf_counter()
-    engine = build_engine(settings, progress=False)
-    warmed = engine.warm_up({1, settings.max_batch})
+    disable_progress_bars()  # hub downloads: this process's output is the server's log
+    try:
+        engine = build_engine(settings, progress=False)
+        warmed = engine.warm_up({1, settings.max_batch})
+    except Exception as exc:
+        if isinstance(exc, ModelNotFoundError | CheckpointError):  # the settings name no usable model
+            error = str(exc)  # the supervisor logs it
+        else:
+            log.exception("cannot load the models")
+            error = f"{type(exc).__name__}: {exc}"
+        with contextlib.suppress(OSError):  # the web process may be gone
+            conn.send(LoadFailed(error))
+        sys.exit(1)
     drafter = engine.drafter.name if engine.drafter else None
     trim = heap_trimmer() if settings.worker_heap_trim else None
     inbox = Inbox(conn)
