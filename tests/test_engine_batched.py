@@ -114,3 +114,14 @@ def test_long_form_is_exact(base: WhisperModel, clip: Callable, manifest: dict, 
 
 def _words(text: str) -> list[str]:
     return re.sub(r"[^\w\s]", "", text.lower()).split()
+
+
+def test_warm_up_leaves_no_trace(base: WhisperModel, clip: Callable, drafters: dict) -> None:
+    """Warm-up decodes in both modes at each batch size without touching what requests see: seeded
+    sampling in both modes afterwards draws what it draws on an engine that never warmed up."""
+    audio = [clip("ljspeech/LJ001-0001")] * 2
+    options = [DecodingOptions(language="en", temperature=0.7, use_assistant=use) for use in (True, False)]
+    cold = Engine(base, drafters["self-draft"], seed=3).transcribe(audio, options)
+    warm = Engine(base, drafters["self-draft"], seed=3)
+    assert warm.warm_up([4, 1, 4]) == {1, 4}
+    assert [t.tokens for t in warm.transcribe(audio, options)] == [t.tokens for t in cold]
