@@ -140,8 +140,8 @@ def test_worker_death_fails_in_flight_and_queued_requests_within_a_second(
 
 
 def test_a_worker_that_dies_while_loading_is_restarted_after_a_pause(server: ServerProcess) -> None:
-    """A worker that served is restarted at once; one that dies again before it is ready waits 1 s,
-    then 2, 4 ... so that a crash loop does not spin (the log says which)."""
+    """The first death after a batch is answered by a restart at once; a second one without a batch in
+    between (here while the new worker loads) waits 1 s, then 2, 4 ...: a crash loop does not spin."""
     assert server.log_path is not None
 
     def worker_pid() -> int:
@@ -185,12 +185,13 @@ def test_slow_upload_does_not_block_other_requests(server: ServerProcess, short_
     sock.sendall(head + body[:1000])
     finished = threading.Event()
 
-    def trickle() -> None:  # the rest, 2 kB at a time, until the fast client is done (bounded)
+    def trickle() -> None:  # 2 kB at a time, holding the last bytes until the fast client is done (bounded)
         sent = 1000
         deadline = time.monotonic() + 120
-        while sent < len(body) - 10 and not finished.is_set() and time.monotonic() < deadline:
-            sock.sendall(body[sent : sent + 2000])
-            sent += 2000
+        while not finished.is_set() and time.monotonic() < deadline:
+            if sent < len(body) - 10:
+                sock.sendall(body[sent : min(sent + 2000, len(body) - 10)])
+                sent = min(sent + 2000, len(body) - 10)
             time.sleep(0.1)
         sock.sendall(body[sent:])
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -64,7 +65,8 @@ def _serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=int(settings.shutdown_timeout_s) + 5,
     )
     server = uvicorn.Server(config)
-    server.run()
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises a Ctrl+C after its graceful shutdown
+        server.run()
     if failures:
         print(f"error: the server stopped: {failures[0]}", file=sys.stderr)
         return 1

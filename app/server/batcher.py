@@ -97,8 +97,7 @@ class Batcher:
     def submit(self, job: Job, lane: Lane = Lane.UPLOAD) -> Pending:
         if self._closed:
             raise ShuttingDown("the server is shutting down")
-        if not self.worker.is_ready:
-            raise WorkerUnavailable("the worker is not ready")
+        self.worker.check_ready()
         # A finished utterance may use the last slots; uploads and partials leave room for it.
         limit = self.queue_size if lane is Lane.LIVE_FINAL else max(1, self.queue_size - self.max_batch)
         if self.depth >= limit:

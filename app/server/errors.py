@@ -52,8 +52,10 @@ def queue_full(retry_after: int) -> ApiError:
     )
 
 
-def not_ready(message: str = "The model worker is not ready; retry shortly.") -> ApiError:
-    return ApiError(503, message, type="server_error", code="not_ready", headers=(("Retry-After", "2"),))
+def not_ready(message: str = "The model worker is not ready; retry shortly.", *, final: bool = False) -> ApiError:
+    """503; `final`: it will not become ready (no Retry-After)."""
+    headers = () if final else (("Retry-After", "2"),)
+    return ApiError(503, message, type="server_error", code="not_ready", headers=headers)
 
 
 def timeout(seconds: float) -> ApiError:

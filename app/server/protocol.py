@@ -64,9 +64,14 @@ class Ready:
 
 @dataclass(frozen=True)
 class LoadFailed:
-    """The worker could not load its models; it exits after sending this."""
+    """The worker could not load its models; it exits after sending this.
+
+    permanent: the settings name no usable model (no such model, not a Whisper checkpoint), so a
+    new worker would fail the same way; otherwise (out of memory, a device error) it may not.
+    """
 
     error: str
+    permanent: bool
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from app.server import errors
 from app.server.batcher import Batcher, Lane, Pending, QueueFull, ShuttingDown
 from app.server.metrics import ServerMetrics
 from app.server.protocol import Job
-from app.server.supervisor import WorkerUnavailable
+from app.server.supervisor import NoUsableModel, WorkerUnavailable
 from app.settings import Settings
 
 NON_AUDIO_TYPES = ("text/", "image/", "application/json", "application/xml", "application/pdf")
@@ -123,6 +123,8 @@ class TranscriptionService:
             return self.batcher.submit(job, lane)
         except QueueFull as exc:
             raise errors.queue_full(retry_after=self.batcher.retry_after()) from exc
+        except NoUsableModel as exc:
+            raise errors.not_ready(str(exc), final=True) from exc
         except (WorkerUnavailable, ShuttingDown) as exc:
             raise errors.not_ready(str(exc)) from exc
 

@@ -26,12 +26,17 @@ class WorkerUnavailable(RuntimeError):
     """The worker is loading, restarting, or died while running the batch."""
 
 
+class NoUsableModel(WorkerUnavailable):
+    """The worker cannot load the models the settings name, and is not restarted: retrying is futile."""
+
+
 class WorkerSupervisor:
     """Owns one worker process; restarts it when it dies, failing its in-flight batch at once.
 
-    A worker that dies again before it is ready is restarted after a growing delay (1, 2, 4 ... 30 s),
-    so that a crash loop does not spin. One that cannot load the models at the first start is not
-    restarted: the settings name no usable model, and `on_fatal` receives the worker's reason.
+    The first death after a batch went through is answered by a restart at once; each further death
+    without a batch in between waits longer (1, 2, 4 ... 30 s), so that a worker that crashes while
+    loading, or on a request a client keeps resending, does not spin. A worker that finds the models
+    unusable at the first start (LoadFailed, permanent) is not restarted: `on_fatal` gets its reason.
     """
 
     def __init__(
@@ -49,8 +54,9 @@ class WorkerSupervisor:
         self.failure: str | None = None  # why the worker could not load the models, when it gave up
         self.restarts = 0
         self._ever_ready = False
-        self._load_error: str | None = None
-        self._unready_exits = 0  # exits since the worker was last ready
+        self._load_failed: LoadFailed | None = None
+        self._deaths = 0  # since the last batch that went through
+        self._restart: asyncio.TimerHandle | None = None
         self._ids = itertools.count()
         self._proc: BaseProcess | None = None
         self._conn: Connection | None = None
@@ -74,14 +80,29 @@ class WorkerSupervisor:
         self._loop = asyncio.get_running_loop()
         self._spawn()
 
+    def check_ready(self) -> None:
+        """Raise WorkerUnavailable (NoUsableModel when that is final) unless a batch can run now."""
+        if self.failure is not None:
+            raise NoUsableModel(f"the worker cannot load the models: {self.failure}")
+        if not self.is_ready or self._conn is None:
+            raise WorkerUnavailable("the worker is not ready")
+
     def _spawn(self) -> None:
-        if self._stopping:  # a delayed restart after stop()
+        self._restart = None
+        if self._stopping:
             return
-        self._load_error = None
+        self._load_failed = None
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=worker_main, args=(self.settings, child), name="specwhisper-worker", daemon=True)
-        proc.start()
+        try:
+            proc.start()
+        except OSError:  # out of processes, memory or file descriptors: try again later
+            parent.close()
+            child.close()
+            log.exception("could not start the worker")
+            self._schedule_restart()
+            return
         child.close()
         self._generation += 1
         self._proc, self._conn = proc, parent
@@ -103,8 +124,14 @@ class WorkerSupervisor:
         while True:
             try:
                 message = conn.recv()
-            except (EOFError, OSError):
-                proc.join(timeout=5)  # here, not on the event loop: its exit code is then known
+            except Exception as exc:
+                if not isinstance(exc, EOFError | OSError):  # a message that cannot be read: end this worker
+                    log.exception("unreadable message from the worker; killing it")
+                # Here, not on the event loop: its exit code is then known, and it is gone before a new one.
+                proc.join(timeout=5)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
                 self._loop.call_soon_threadsafe(self._on_exit, generation)
                 return
             self._loop.call_soon_threadsafe(self._on_message, message)
@@ -113,7 +140,6 @@ class WorkerSupervisor:
         if isinstance(message, Ready):
             self.ready = message
             self._ever_ready = True
-            self._unready_exits = 0
             self._ready_event.set()
             log.info(
                 "worker ready: %s (assistant %s) in %.1f s", message.model, message.assistant, message.load_seconds
@@ -121,11 +147,12 @@ class WorkerSupervisor:
             if self.on_ready:
                 self.on_ready(message)
         elif isinstance(message, LoadFailed):
-            self._load_error = message.error
+            self._load_failed = message
         elif isinstance(message, Progress):
             for listener in self._listeners.values():
                 listener(message)
         elif isinstance(message, BatchResult):
+            self._deaths = 0
             if self.on_batch:
                 self.on_batch(message)
             self._listeners.pop(message.batch_id, None)
@@ -136,7 +163,7 @@ class WorkerSupervisor:
     def _on_exit(self, generation: int) -> None:
         if generation != self._generation:
             return
-        was_ready, self.ready = self.ready is not None, None
+        self.ready = None
         self._ready_event.clear()
         failed = list(self._inflight.values())
         self._inflight.clear()
@@ -147,28 +174,27 @@ class WorkerSupervisor:
         if self._stopping:
             return
         code = self._proc.exitcode if self._proc is not None else None
-        if self._load_error is not None and not self._ever_ready:
-            self.failure = self._load_error
+        if self._load_failed is not None and self._load_failed.permanent and not self._ever_ready:
+            self.failure = self._load_failed.error
             log.critical("the worker cannot load the models, so it is not restarted: %s", self.failure)
             if self.on_fatal:
                 self.on_fatal(self.failure)
             return
-        if was_ready:  # a crash in service: restart at once
-            delay = 0.0
-        else:
-            self._unready_exits += 1
-            delay = min(MAX_RESTART_DELAY_S, 2.0 ** (self._unready_exits - 1))
+        delay = self._schedule_restart()
         log.error("worker exited (code %s); restarting in %.0f s, %d batch(es) failed", code, delay, len(failed))
+
+    def _schedule_restart(self) -> float:
+        self._deaths += 1
+        delay = 0.0 if self._deaths == 1 else min(MAX_RESTART_DELAY_S, 2.0 ** (self._deaths - 2))
         self.restarts += 1
         assert self._loop is not None
-        self._loop.call_later(delay, self._spawn)
+        self._restart = self._loop.call_later(delay, self._spawn)
+        return delay
 
     async def run(self, jobs: list[Job], on_progress: Callable[[Progress], None] | None = None) -> list[JobResult]:
         """Run one batch; `on_progress` receives the Progress messages of its streaming jobs."""
-        if self.failure is not None:
-            raise WorkerUnavailable(f"the worker cannot load the models: {self.failure}")
-        if not self.is_ready or self._conn is None:
-            raise WorkerUnavailable("the worker is not ready")
+        self.check_ready()
+        assert self._conn is not None
         loop = asyncio.get_running_loop()
         batch_id = next(self._ids)
         future: asyncio.Future[BatchResult] = loop.create_future()
@@ -196,15 +222,20 @@ class WorkerSupervisor:
                 await asyncio.to_thread(conn.send, Cancel(request_id))
 
     async def stop(self, timeout: float = 10.0) -> None:
+        """A ready worker finishes its batch and exits; one still loading (it reads no messages yet) is
+        terminated at once."""
         self._stopping = True
+        if self._restart is not None:
+            self._restart.cancel()
         proc, conn = self._proc, self._conn
         if proc is None or conn is None:
             return
-        with contextlib.suppress(OSError, ValueError):
-            await asyncio.to_thread(conn.send, Stop())
-        deadline = time.monotonic() + timeout
-        while proc.is_alive() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        if self.ready is not None:
+            with contextlib.suppress(OSError, ValueError):
+                await asyncio.to_thread(conn.send, Stop())
+            deadline = time.monotonic() + timeout
+            while proc.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
         if proc.is_alive():
             proc.terminate()
             await asyncio.to_thread(proc.join, 5)

@@ -164,13 +164,14 @@ def worker_main(settings: Settings, conn: Connection) -> None:
         engine = build_engine(settings, progress=False)
         warmed = engine.warm_up({1, settings.max_batch})
     except Exception as exc:
-        if isinstance(exc, ModelNotFoundError | CheckpointError):  # the settings name no usable model
+        permanent = isinstance(exc, ModelNotFoundError | CheckpointError)  # the settings name no usable model
+        if permanent:
             error = str(exc)  # the supervisor logs it
         else:
             log.exception("cannot load the models")
             error = f"{type(exc).__name__}: {exc}"
         with contextlib.suppress(OSError):  # the web process may be gone
-            conn.send(LoadFailed(error))
+            conn.send(LoadFailed(error, permanent))
         sys.exit(1)
     drafter = engine.drafter.name if engine.drafter else None
     trim = heap_trimmer() if settings.worker_heap_trim else None

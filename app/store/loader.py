@@ -67,7 +67,10 @@ def load_model(
             f"{ref!r} is not a model directory, a model in {store.root} ({', '.join(store.installed()) or 'none'}),"
             f" or an embedded model ({', '.join(EMBEDDED)}); as a hub id: {exc}"
         ) from exc
-    dims = WhisperDims.from_config(config)
+    try:
+        dims = WhisperDims.from_config(config)
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: {exc}") from exc
     encoder: AudioEncoder | None = None
     with CheckpointTensors(path, device=device, dtype=dtype) as tensors:
         try:
