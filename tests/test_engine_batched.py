@@ -125,3 +125,25 @@ def test_warm_up_leaves_no_trace(base: WhisperModel, clip: Callable, drafters: d
     warm = Engine(base, drafters["self-draft"], seed=3)
     assert warm.warm_up([4, 1, 4]) == {1, 4}
     assert [t.tokens for t in warm.transcribe(audio, options)] == [t.tokens for t in cold]
+
+
+def test_a_request_the_engine_refuses_fails_alone(base: WhisperModel, clip: Callable, drafters: dict) -> None:
+    """The worker's batch runner checks each request: an empty clip or an unknown language fails with
+    its reason, and the batch's other request is transcribed as it would be alone."""
+    from app.engine.adaptive import ModePolicy
+    from app.server.protocol import BatchRequest, Job
+    from app.server.worker import BatchRunner
+
+    engine = Engine(base, drafters["self-draft"])
+    runner = BatchRunner(engine, ModePolicy(), send=lambda message: None)
+    audio = clip("ljspeech/LJ001-0001")
+    jobs = [
+        Job("empty", np.zeros(0, np.float32), DecodingOptions(language="en")),
+        Job("klingon", audio, DecodingOptions(language="tlh")),
+        Job("good", audio, DecodingOptions(language="en")),
+    ]
+    empty, klingon, good = runner.run(BatchRequest(0, jobs)).results
+    assert empty.error == "empty audio" and not empty.internal
+    assert klingon.error is not None and "unsupported language" in klingon.error
+    assert good.error is None and good.transcription is not None
+    assert good.transcription.tokens == engine.transcribe([audio], [DecodingOptions(language="en")])[0].tokens

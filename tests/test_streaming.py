@@ -275,6 +275,10 @@ def test_realtime_bad_events_get_errors_and_others_keep_working(server: ServerPr
     bad.ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": "A" * 300_000}))  # over the event limit
     assert bad.wait_for("error", count=9)[-1]["error"]["code"] == "event_too_large"
     assert bad.closed.wait(10) and bad.ws.close_code == 1009
+    good.send({"type": "input_audio_buffer.append", "audio": ""})  # no samples: opens no utterance
+    good.send({"type": "input_audio_buffer.commit", "event_id": "evt_empty"})
+    empty = good.wait_for("error")[0]["error"]
+    assert (empty["code"], empty["event_id"]) == ("input_audio_buffer_commit_empty", "evt_empty")
     good.stream(speech[: 16000 * 3], 16000, speedup=10)
     good.send({"type": "input_audio_buffer.commit"})
     done = good.wait_for("conversation.item.input_audio_transcription.completed")[0]

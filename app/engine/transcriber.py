@@ -207,7 +207,10 @@ class Engine:
         self.generator = torch.Generator().manual_seed(seed)
         self._rules = {ts: main.logit_rules(timestamps=ts) for ts in (False, True)}
 
-    def check(self, options: DecodingOptions) -> None:
+    def check(self, options: DecodingOptions, audio: np.ndarray) -> None:
+        """Raise InvalidRequestError if this clip cannot be transcribed with these options."""
+        if audio.size == 0:
+            raise InvalidRequestError("empty audio")
         tok = self.main.tokenizer
         known = options.language is None or options.language in tok.language_ids
         if not known and (tok.multilingual or options.language != "en"):
@@ -232,9 +235,7 @@ class Engine:
         if not audio or len(audio) != len(options):
             raise InvalidRequestError("need one set of options per clip, and at least one clip")
         for clip, opt in zip(audio, options, strict=True):
-            if clip.size == 0:
-                raise InvalidRequestError("empty audio")
-            self.check(opt)
+            self.check(opt, clip)
         started = time.perf_counter()
         with torch.inference_mode():
             jobs = [_Job(self.main, a, o) for a, o in zip(audio, options, strict=True)]

@@ -49,7 +49,7 @@ class BatchRunner:
         mode: Mode | None = None
         for job in batch.jobs:
             try:
-                self.engine.check(job.options)
+                self.engine.check(job.options, job.audio)  # a bad request fails alone, not its batch
                 valid.append(job)
             except InvalidRequestError as exc:
                 results[job.request_id] = JobResult(job.request_id, error=str(exc))

@@ -236,13 +236,14 @@ class RealtimeSession:
             if self._resampler is None:
                 self._resampler = soxr.ResampleStream(self.config.sample_rate, SAMPLE_RATE, 1, dtype="float32")
             samples = self._resampler.resample_chunk(samples)
-        self._ingest(samples)
+        if samples.size:  # an empty chunk (or one the resampler holds back) opens no utterance
+            self._ingest(samples)
 
     def _commit(self, event: dict[str, Any], event_id: str | None) -> None:
+        if self.buffer.end == (self.item_start if self.item_id is not None else self.buffer.start):
+            self.error("The input audio buffer is empty.", "input_audio_buffer_commit_empty", None, event_id)
+            return
         if self.item_id is None:
-            if self.buffer.end == self.buffer.start:
-                self.error("The input audio buffer is empty.", "input_audio_buffer_commit_empty", None, event_id)
-                return
             self._open(self.buffer.start)
         self._close_item(self.buffer.end)
 
