@@ -147,3 +147,18 @@ def test_a_request_the_engine_refuses_fails_alone(base: WhisperModel, clip: Call
     assert klingon.error is not None and "unsupported language" in klingon.error
     assert good.error is None and good.transcription is not None
     assert good.transcription.tokens == engine.transcribe([audio], [DecodingOptions(language="en")])[0].tokens
+
+
+def test_words_of_a_window_one_frame_long(base: WhisperModel, clip: Callable) -> None:
+    """Seeking moves two mel frames at a time, so a clip can end in a 1-frame window; if that window
+    yields text, its words are aligned to its one audio position instead of failing the batch."""
+    from app.engine.alignment import align_words
+    from app.engine.features import log_mel
+
+    features = log_mel(clip("whisper/jfk"), base.n_mels, padding=480_000)[:, :3000].unsqueeze(0)
+    cross = base.decoder.cross_kv(base.encode(features))
+    tok = base.tokenizer
+    text = tok.encode(" And so my fellow Americans")
+    words = align_words(base, cross, tok.prompt("en", "transcribe", timestamps=True), text, 1, "en")
+    assert "".join(w.word for w in words) == " And so my fellow Americans"
+    assert all(w.start == w.end == 0.0 for w in words)

@@ -119,7 +119,7 @@ def align_words(
     logits = main.decoder.logits(hidden[0, len(sot_sequence) : len(sot_sequence) + len(text_tokens)])
     probs = logits.softmax(-1)[torch.arange(len(text_tokens)), torch.tensor(text_tokens)].tolist()
     weights = torch.stack([captured[layer][0, head] for layer, head in heads])  # [heads, S, T]
-    weights = weights[:, :, : num_frames // 2].float()
+    weights = weights[:, :, : max(1, num_frames // 2)].float()  # a window may hold a single mel frame
     std, mean = torch.std_mean(weights, dim=-2, keepdim=True, unbiased=False)
     weights = _median_filter((weights - mean) / (std + 1e-10), MEDIAN_FILTER_WIDTH)
     # Rows: the no-timestamps position and each text token (each predicting the next token).
