@@ -16,8 +16,8 @@ from torch import Tensor
 from app.engine.model import WhisperModel
 from app.engine.weights import WhisperDims
 from app.store.catalog import ModelNotFoundError, ModelStore
-from app.store.checkpoint import CheckpointError
-from app.store.loader import load_model
+from app.store.checkpoint import CheckpointError, HubUnreachableError
+from app.store.loader import is_settings_error, load_model
 from tests.conftest import copy_side_files, save_checkpoint
 from tests.drafts import random_tiny_checkpoint
 
@@ -130,6 +130,13 @@ def test_missing_weights_and_foreign_configs_are_refused(reference: Path, store:
         (wrong / "config.json").write_text(json.dumps({**config, "decoder_layers": layers}))
         with pytest.raises(CheckpointError, match=error):
             load_model(str(wrong), store, progress=False)
+    for name, damage in (("config.json", b"{not json"), ("model.safetensors", b"\x10\x00")):
+        broken = tmp_path / f"broken-{name}"
+        shutil.copytree(reference, broken)
+        (broken / name).write_bytes(damage)
+        with pytest.raises(CheckpointError, match=f"{name}: cannot read") as caught:
+            load_model(str(broken), store, progress=False)
+        assert is_settings_error(caught.value)
     lost = tmp_path / "lost"
     shutil.copytree(reference, lost)
     (lost / "model.safetensors").unlink()
@@ -174,16 +181,30 @@ def test_hub_ids_load_offline_from_the_cache_or_say_what_it_lacks(
         side | {"model.safetensors": None, "pytorch_model.bin": tmp_path / "pytorch_model.bin"},
     )
     hub_cache(tmp_path / "hub", "org/partial", side)  # the download was cut short
+    weights = {"model.safetensors": reference / "model.safetensors"}
+    hub_cache(tmp_path / "hub", "org/no-generation-config", side | weights | {"generation_config.json": None})
+    # A cache filled by snapshot_download: no record of what the hub lacks, and this one lacks the optional file.
+    hub_cache(
+        tmp_path / "hub", "org/snapshot", {k: v for k, v in side.items() if k != "generation_config.json"} | weights
+    )
 
     cached = load_model("org/cached", store, progress=False)
     assert cached.name == "org/cached"
     assert_same(parameters(cached), expected)
     assert_same(parameters(load_model("org/legacy", store, progress=False)), expected)
+    # The generation config is optional, as in transformers: config.json's token lists stand in.
+    for repo in ("org/no-generation-config", "org/snapshot"):
+        assert_same(parameters(load_model(repo, store, progress=False)), expected)
     # Not "no weights": the cache lacks them and the hub cannot be asked whether they exist.
-    with pytest.raises(CheckpointError, match=r"model\.safetensors is not in the local Hugging Face cache"):
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is not in the local Hugging Face cache") as partial:
         load_model("org/partial", store, progress=False)
-    with pytest.raises(ModelNotFoundError, match=r"embedded model .*config\.json is not in the local Hugging Face"):
+    with pytest.raises(
+        ModelNotFoundError, match=r"embedded model .*config\.json is not in the local Hugging Face"
+    ) as absent:
         load_model("org/elsewhere", store, progress=False)
+    # Offline by setting, these are final; with the hub merely out of reach, a later try may succeed.
+    assert is_settings_error(partial.value) and is_settings_error(absent.value)
+    assert not is_settings_error(HubUnreachableError("the network is down", offline=False))
 
 
 def test_loading_a_model_does_not_import_transformers_model_code(base_dir: Path) -> None:

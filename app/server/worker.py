@@ -20,8 +20,7 @@ from app.engine.transcriber import Engine, InvalidRequestError, Segment
 from app.server.heap import heap_trimmer
 from app.server.protocol import BatchRequest, BatchResult, Cancel, Job, JobResult, LoadFailed, Progress, Ready
 from app.settings import Settings
-from app.store.catalog import ModelNotFoundError
-from app.store.checkpoint import CheckpointError
+from app.store.loader import is_settings_error
 
 log = logging.getLogger("specwhisper.worker")
 
@@ -164,7 +163,7 @@ def worker_main(settings: Settings, conn: Connection) -> None:
         engine = build_engine(settings, progress=False)
         warmed = engine.warm_up({1, settings.max_batch})
     except Exception as exc:
-        permanent = isinstance(exc, ModelNotFoundError | CheckpointError)  # the settings name no usable model
+        permanent = is_settings_error(exc)
         if permanent:
             error = str(exc)  # the supervisor logs it
         else:

@@ -31,7 +31,15 @@ class CheckpointError(ValueError):
 
 
 class HubUnreachableError(CheckpointError):
-    """A hub file is not in the local cache, and the hub cannot be asked whether it exists."""
+    """A hub file is not in the local cache, and the hub cannot be asked whether it exists.
+
+    `offline`: the hub is switched off (HF_HUB_OFFLINE), so asking again cannot help; otherwise the
+    network or the hub may come back.
+    """
+
+    def __init__(self, message: str, *, offline: bool) -> None:
+        super().__init__(message)
+        self.offline = offline
 
 
 def checkpoint_file(ref: str, name: str) -> Path | None:
@@ -43,7 +51,7 @@ def checkpoint_file(ref: str, name: str) -> Path | None:
     local = Path(ref) / name
     if Path(ref).is_dir():
         return local if local.is_file() else None
-    from huggingface_hub import _CACHED_NO_EXIST, hf_hub_download, try_to_load_from_cache
+    from huggingface_hub import _CACHED_NO_EXIST, constants, hf_hub_download, try_to_load_from_cache
     from huggingface_hub.utils import (
         EntryNotFoundError,
         GatedRepoError,
@@ -59,7 +67,8 @@ def checkpoint_file(ref: str, name: str) -> Path | None:
             return None
         raise HubUnreachableError(
             f"{ref}: {name} is not in the local Hugging Face cache and the hub cannot be reached"
-            " (offline?); fetch the model once with network access, or give a local directory"
+            " (offline?); fetch the model once with network access, or give a local directory",
+            offline=constants.HF_HUB_OFFLINE,
         ) from exc
     except EntryNotFoundError:
         return None
@@ -87,11 +96,21 @@ def _weights_file(ref: str) -> Path:
     raise CheckpointError(f"{ref}: no weights (looked for {', '.join(WEIGHT_FILES)})")
 
 
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: cannot read it: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return data
+
+
 def read_config(ref: str) -> dict[str, Any]:
     path = checkpoint_file(ref, "config.json")
     if path is None:
         raise CheckpointError(f"{ref}: no config.json")
-    return dict(json.loads(path.read_text()))
+    return read_json(path)
 
 
 class CheckpointTensors(Mapping[str, Tensor]):
@@ -117,20 +136,26 @@ class CheckpointTensors(Mapping[str, Tensor]):
 
     def _open(self, path: Path, ref: str) -> None:
         if path.name.endswith(".index.json"):
-            shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
-            for shard in shards:
+            index = read_json(path).get("weight_map")
+            if not isinstance(index, dict):
+                raise CheckpointError(f"{path}: no weight_map")
+            for shard in sorted(set(index.values())):
                 shard_path = checkpoint_file(ref, shard)
                 if shard_path is None:
                     raise CheckpointError(f"{ref}: {path.name} names {shard}, which is missing")
                 self._open(shard_path, ref)
-        elif path.suffix == ".safetensors":
-            from safetensors import safe_open
+            return
+        try:
+            if path.suffix == ".safetensors":
+                from safetensors import safe_open
 
-            handle = self._files.enter_context(safe_open(str(path), framework="pt", device="cpu"))
-            self._where |= {name: (handle, name) for name in handle.keys()}  # noqa: SIM118 - not a dict
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            self._where |= {name: (state, name) for name in state}
+                handle = self._files.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+                self._where |= {name: (handle, name) for name in handle.keys()}  # noqa: SIM118 - not a dict
+            else:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                self._where |= {name: (state, name) for name in state}
+        except Exception as exc:  # truncated, corrupt, or a pickle that is more than tensors
+            raise CheckpointError(f"{path}: cannot read its weights: {exc}") from exc
 
     def __getitem__(self, name: str) -> Tensor:
         source, key = self._where[name]

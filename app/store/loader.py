@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -16,15 +15,26 @@ from app.engine.model import GenerationConstants, WhisperModel
 from app.engine.tokenizer import WhisperTokenizer
 from app.engine.weights import WhisperDims
 from app.store.catalog import EMBEDDED, ModelNotFoundError, ModelStore
-from app.store.checkpoint import CheckpointError, CheckpointTensors, checkpoint_file, read_config
+from app.store.checkpoint import (
+    CheckpointError,
+    CheckpointTensors,
+    HubUnreachableError,
+    checkpoint_file,
+    read_config,
+    read_json,
+)
 
 log = logging.getLogger(__name__)
 
 
 def _constants(ref: str, config: dict[str, Any]) -> GenerationConstants:
-    path = checkpoint_file(ref, "generation_config.json")
+    try:
+        path = checkpoint_file(ref, "generation_config.json")
+    except HubUnreachableError as exc:  # optional, as in transformers: a cache may hold all but it
+        log.warning("%s; using config.json's token lists", exc)
+        path = None
     # No generation config: the model config's lists.
-    data = json.loads(path.read_text()) if path is not None else config
+    data = read_json(path) if path is not None else config
     heads = data.get("alignment_heads") or []
     return GenerationConstants(
         suppress_tokens=tuple(data.get("suppress_tokens") or ()),
@@ -32,6 +42,14 @@ def _constants(ref: str, config: dict[str, Any]) -> GenerationConstants:
         alignment_heads=tuple((int(a), int(b)) for a, b in heads),
         max_initial_timestamp_index=int(data.get("max_initial_timestamp_index") or 50),
     )
+
+
+def is_settings_error(exc: BaseException) -> bool:
+    """Whether `exc`, raised by load_model, means the settings name no usable model, so that trying
+    again would fail the same way; not so for a hub out of reach, memory or a device."""
+    if any(isinstance(e, HubUnreachableError) and not e.offline for e in (exc, exc.__cause__)):
+        return False
+    return isinstance(exc, ModelNotFoundError | CheckpointError)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
