@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from app.engine.transcriber import DecodingOptions, Engine
 from app.store.catalog import EMBEDDED, ModelStore
 from app.store.convert import convert_ct2
 from app.store.ct2 import read_ct2
+from app.store.loader import load_model
 
 
 def _ct2_source(name: str) -> tuple[list[Path], Path]:
@@ -124,6 +127,31 @@ def test_convert_ct2_directory_then_transcribe_jfk(tmp_path: Path, benchdata: Pa
         check=True,
     )
     assert "ask not what your country can do for you" in out.stdout.lower()
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int16"])
+def test_quantized_ct2_models_are_dequantized(
+    quantization: str, store: ModelStore, tmp_path: Path, clip: Callable[[str], np.ndarray]
+) -> None:
+    """CTranslate2 stores quantized weights as round(w * scale) with their scales: converted back, they
+    are the originals to within a quantization step, and the model still transcribes."""
+    original = store.path("whisper-tiny.en")
+    quantized = tmp_path / "ct2"
+    subprocess.run(
+        [sys.executable, "-m", "ctranslate2.converters.transformers", "--model", str(original),
+         "--output_dir", str(quantized), "--quantization", quantization, "--copy_files", "tokenizer.json"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    convert_ct2(quantized / "model.bin", tmp_path / "hf", bundle_dir=quantized, progress=False)
+    expected, got = load_file(original / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert got.keys() == expected.keys()
+    for name, tensor in got.items():
+        assert tensor.dtype.kind == "f", name
+        scale = np.abs(expected[name]).max() + 1e-12
+        assert np.abs(tensor.astype(np.float32) - expected[name]).max() / scale < 0.01, name
+    model = load_model(str(tmp_path / "hf"), store, progress=False)
+    text = Engine(model).transcribe([clip("whisper/jfk")], [DecodingOptions(language="en")])[0].text
+    assert "ask not what your country can do for you" in text.lower()
 
 
 def test_convert_failure_leaves_nothing_behind(tmp_path: Path) -> None:

@@ -94,11 +94,32 @@ def read_ct2(path: str | Path) -> CT2Model:
         if spec != "WhisperSpec":
             raise CT2FormatError(f"{path}: model spec is {spec!r}, not a Whisper model")
         revision = _u32(f)
-        variables = dict(_iter_variables(f))
+        variables = _dequantized(dict(_iter_variables(f)))
         for _ in range(_u32(f)):
             alias, target = _string(f), _string(f)
-            variables[alias] = variables[target]
+            if target in variables:  # else a scale, gone with dequantizing
+                variables[alias] = variables[target]
     return CT2Model(spec=spec, version=version, revision=revision, variables=variables)
+
+
+def _dequantized(variables: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Quantized weights (`--quantization int8*` or `int16`) as float32, their scales dropped.
+
+    CTranslate2 stores round(w * scale): int8 with one scale per output row, int16 with one scale
+    for the whole tensor. Dividing back gives the weights the quantized model computes with.
+    """
+    out = dict(variables)
+    for name in variables:
+        if not name.endswith("_scale") or name[: -len("_scale")] not in variables:
+            continue
+        weight = name[: -len("_scale")]
+        q, scale = variables[weight], variables[name].astype(np.float32)
+        if q.dtype not in (np.int8, np.int16):
+            raise CT2FormatError(f"{weight}: a scale for {q.dtype} weights")
+        per_row = scale.reshape(scale.shape + (1,) * (q.ndim - scale.ndim))
+        out[weight] = q.astype(np.float32) / per_row
+        del out[name]
+    return out
 
 
 def hf_config_kwargs(model: CT2Model) -> dict[str, int]:
