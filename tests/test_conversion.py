@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -12,7 +13,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from app.engine.transcriber import DecodingOptions, Engine
-from app.store.catalog import EMBEDDED, ModelStore
+from app.store.catalog import EMBEDDED, ModelNotFoundError, ModelStore
 from app.store.convert import convert_ct2
 from app.store.ct2 import read_ct2
 from app.store.loader import load_model
@@ -152,6 +153,35 @@ def test_quantized_ct2_models_are_dequantized(
     model = load_model(str(tmp_path / "hf"), store, progress=False)
     text = Engine(model).transcribe([clip("whisper/jfk")], [DecodingOptions(language="en")])[0].text
     assert "ask not what your country can do for you" in text.lower()
+
+
+def test_ct2_folders_get_store_entries_of_their_own(tmp_path: Path) -> None:
+    """Two CTranslate2 folders of one name, and one named like an embedded model, convert into entries
+    of their own; a changed model.bin is converted again; a name holding another source is refused."""
+    _, bundle = _ct2_source("whisper-tiny.en")
+    folders = [tmp_path / "a" / "model", tmp_path / "b" / "model", tmp_path / "c" / "whisper-base"]
+    for folder in folders:
+        folder.mkdir(parents=True)
+        for name in ("model.bin", "config.json", "tokenizer.json", "vocabulary.txt"):
+            if (bundle / name).exists():
+                (folder / name).symlink_to(bundle / name)
+    store = ModelStore(tmp_path / "store")
+    entries = [Path(store.resolve(str(folder), progress=False)) for folder in folders]
+    assert len(set(entries)) == 3 and store.path("whisper-base") not in entries
+    for folder, entry in zip(folders, entries, strict=True):
+        assert (entry / "SOURCE").read_text().split() == [str(folder / "model.bin")]
+    first = entries[0] / "model.safetensors"
+    converted_at = first.stat().st_mtime_ns
+    assert Path(store.resolve(str(folders[0]), progress=False)) == entries[0]
+    assert first.stat().st_mtime_ns == converted_at  # up to date: not converted again
+    newer = folders[0] / "model.bin"
+    newer.unlink()
+    shutil.copyfile(bundle / "model.bin", newer)  # a new file, written after the conversion
+    assert Path(store.resolve(str(folders[0]), progress=False)) == entries[0]
+    assert first.stat().st_mtime_ns != converted_at
+    with pytest.raises(ModelNotFoundError, match="holds a model converted from"):
+        store.convert_dir(folders[1], name=entries[0].name, progress=False)
+    assert store.convert_dir(folders[1], name=entries[0].name, force=True, progress=False) == entries[0]
 
 
 def test_convert_failure_leaves_nothing_behind(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ A model reference is resolved, in order, as
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.store.checkpoint import WEIGHT_FILES
-from app.store.convert import convert_ct2
+from app.store.convert import HF_WEIGHTS, convert_ct2
 
 
 class ModelNotFoundError(LookupError):
@@ -85,6 +86,14 @@ def is_hf_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and any((path / f).is_file() for f in WEIGHT_FILES)
 
 
+def converted_from(entry: Path) -> list[str]:
+    """The CTranslate2 files a store entry was converted from (empty if it does not say)."""
+    try:
+        return [line for line in (entry / "SOURCE").read_text().splitlines() if line]
+    except OSError:
+        return []
+
+
 def is_ct2_dir(path: Path) -> bool:
     return (path / "model.bin").is_file() and (path / "tokenizer.json").is_file()
 
@@ -130,10 +139,27 @@ class ModelStore:
         return destination
 
     def convert_dir(self, source: Path, *, name: str | None = None, force: bool = False, progress: bool = True) -> Path:
-        destination = self.path(name or source.resolve().name)
+        """Convert the CTranslate2 directory `source` into the store, once: again only when its
+        model.bin is newer than the entry.
+
+        The entry is `name`, or the folder's name with a digest of its path, so that two folders of
+        one name, or one named like an embedded model, never share an entry. A `name` that holds a
+        model converted from elsewhere is refused unless `force`.
+        """
+        model_bin = (source / "model.bin").absolute()
+        digest = hashlib.sha256(str(model_bin.parent).encode()).hexdigest()[:8]
+        destination = self.path(name or f"{model_bin.parent.name}-{digest}")
         with self._lock():
-            if force or not is_hf_dir(destination):
-                convert_ct2(source / "model.bin", destination, bundle_dir=source, progress=progress)
+            if not force and is_hf_dir(destination):
+                origin = converted_from(destination)
+                if origin != [str(model_bin)]:
+                    raise ModelNotFoundError(
+                        f"{destination} holds a model converted from {', '.join(origin) or 'elsewhere'}, not from"
+                        f" {source}: choose another name, or replace it (--force)"
+                    )
+                if model_bin.stat().st_mtime <= (destination / HF_WEIGHTS).stat().st_mtime:
+                    return destination
+            convert_ct2(model_bin, destination, bundle_dir=source, progress=progress)
         return destination
 
     def resolve(self, ref: str, *, progress: bool = True) -> str:
