@@ -51,7 +51,14 @@ class Settings(BaseSettings):
     )
     request_timeout_s: float = Field(600.0, gt=0, description="a request waiting longer gets 504")
     shutdown_timeout_s: float = Field(30.0, ge=0, description="time to finish in-flight work on shutdown")
-    worker_start_timeout_s: float = Field(300.0, gt=0, description="model loading time allowed")
+    worker_start_timeout_s: float = Field(
+        900.0, gt=0, description="a worker not ready after this (models loading or downloading) is restarted"
+    )
+    worker_stall_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="a worker silent this long during a batch (a 30-s window) is taken as hung and restarted",
+    )
     api_keys: list[str] = Field(default_factory=list, description="accepted Bearer keys; empty = no auth")
 
     # live transcription (/v1/realtime)

@@ -179,6 +179,42 @@ def test_a_model_that_cannot_load_stops_the_server_with_the_reason(tmp_path: Pat
     assert last.startswith("error: the server stopped:") and "neither a Hugging Face nor a CTranslate2" in last
 
 
+def test_a_hung_worker_is_killed_and_replaced(long_audio: bytes, short_audio: bytes, tmp_path: Path) -> None:
+    """A worker that stops (SIGSTOP) in the middle of a batch sends no heartbeat: after the stall
+    timeout the supervisor kills it, the batch's request gets 503, and a new worker serves."""
+    env = {"SPECWHISPER_MAX_BATCH": "1", "SPECWHISPER_WORKER_STALL_TIMEOUT_S": "6"}
+    srv = ServerProcess(env, log=tmp_path / "server.log").start()
+    hung = httpx.get(f"{srv.url}/health/ready").json()["worker_pid"]
+    try:
+        assert post(srv, short_audio).status_code == 200
+        answer: list[httpx.Response] = []
+        upload = threading.Thread(target=lambda: answer.append(post(srv, long_audio)))
+        upload.start()
+        wait_until(lambda: metric(srv, "specwhisper_batch_size_count") >= 2, what="the long batch to start")
+        os.kill(hung, signal.SIGSTOP)
+        upload.join(120)
+        assert answer and answer[0].status_code == 503, answer and answer[0].text
+        assert "killing it as hung" in (tmp_path / "server.log").read_text()
+        srv.wait_ready(180)
+        assert httpx.get(f"{srv.url}/health/ready").json()["worker_pid"] != hung
+        assert post(srv, short_audio).json()["text"] == SHORT_TEXT
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(hung, signal.SIGKILL)
+        srv.stop()
+
+
+def test_a_worker_that_never_gets_ready_is_restarted(tmp_path: Path) -> None:
+    """Models that take longer to load than allowed (here 1 s): the worker is killed and started again."""
+    log = tmp_path / "server.log"
+    srv = ServerProcess({"SPECWHISPER_WORKER_START_TIMEOUT_S": "1"}, log=log).launch()
+    try:
+        wait_until(lambda: log.read_text().count("not ready after") >= 2, timeout=60, what="two restarts")
+        assert httpx.get(f"{srv.url}/health/ready").status_code == 503
+    finally:
+        srv.stop()
+
+
 def test_slow_upload_does_not_block_other_requests(server: ServerProcess, short_audio: bytes) -> None:
     body, content_type = multipart(short_audio)
     sock, head = raw_request(server, body, content_type)

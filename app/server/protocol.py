@@ -63,6 +63,11 @@ class Ready:
 
 
 @dataclass(frozen=True)
+class Heartbeat:
+    """The worker is working on its batch (sent at each window, at most once a second)."""
+
+
+@dataclass(frozen=True)
 class LoadFailed:
     """The worker could not load its models; it exits after sending this.
 

@@ -13,7 +13,17 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
-from app.server.protocol import BatchRequest, BatchResult, Cancel, Job, JobResult, LoadFailed, Progress, Ready, Stop
+from app.server.protocol import (
+    BatchRequest,
+    BatchResult,
+    Cancel,
+    Job,
+    JobResult,
+    LoadFailed,
+    Progress,
+    Ready,
+    Stop,
+)
 from app.server.worker import worker_main
 from app.settings import Settings
 
@@ -37,6 +47,10 @@ class WorkerSupervisor:
     without a batch in between waits longer (1, 2, 4 ... 30 s), so that a worker that crashes while
     loading, or on a request a client keeps resending, does not spin. A worker that finds the models
     unusable at the first start (LoadFailed, permanent) is not restarted: `on_fatal` gets its reason.
+
+    A watchdog kills (and so restarts) a worker that is not ready within `worker_start_timeout_s`, or
+    that sends nothing for `worker_stall_timeout_s` while a batch runs (it sends a heartbeat at each
+    window): a hung worker would otherwise hold every request behind it until its timeout, forever.
     """
 
     def __init__(
@@ -57,6 +71,9 @@ class WorkerSupervisor:
         self._load_failed: LoadFailed | None = None
         self._deaths = 0  # since the last batch that went through
         self._restart: asyncio.TimerHandle | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._spawned_at = 0.0
+        self._heard_at = 0.0  # the last message from the worker, or the last batch sent to it
         self._ids = itertools.count()
         self._proc: BaseProcess | None = None
         self._conn: Connection | None = None
@@ -79,6 +96,23 @@ class WorkerSupervisor:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._spawn()
+        self._watchdog = asyncio.create_task(self._watch(), name="worker-watchdog")
+
+    async def _watch(self) -> None:
+        start_limit, stall_limit = self.settings.worker_start_timeout_s, self.settings.worker_stall_timeout_s
+        while not self._stopping:
+            await asyncio.sleep(min(1.0, start_limit / 4, stall_limit / 4))
+            proc = self._proc
+            if proc is None or not proc.is_alive() or self._stopping:
+                continue
+            now = time.monotonic()
+            if self.ready is None and now - self._spawned_at > start_limit:
+                log.error("the worker is not ready after %.0f s; killing it", now - self._spawned_at)
+            elif self._inflight and now - self._heard_at > stall_limit:
+                log.error("the worker sent nothing for %.0f s during a batch; killing it as hung", now - self._heard_at)
+            else:
+                continue
+            proc.kill()  # its reader thread sees the pipe close: the batch fails and a new worker starts
 
     def check_ready(self) -> None:
         """Raise WorkerUnavailable (NoUsableModel when that is final) unless a batch can run now."""
@@ -104,6 +138,7 @@ class WorkerSupervisor:
             self._schedule_restart()
             return
         child.close()
+        self._spawned_at = time.monotonic()
         self._generation += 1
         self._proc, self._conn = proc, parent
         self.ready = None
@@ -137,6 +172,7 @@ class WorkerSupervisor:
             self._loop.call_soon_threadsafe(self._on_message, message)
 
     def _on_message(self, message: object) -> None:
+        self._heard_at = time.monotonic()  # any message, a Heartbeat included, shows the worker alive
         if isinstance(message, Ready):
             self.ready = message
             self._ever_ready = True
@@ -199,6 +235,7 @@ class WorkerSupervisor:
         batch_id = next(self._ids)
         future: asyncio.Future[BatchResult] = loop.create_future()
         self._inflight[batch_id] = future
+        self._heard_at = time.monotonic()  # the stall clock starts with each batch
         if on_progress is not None:
             self._listeners[batch_id] = on_progress
         conn = self._conn
@@ -227,6 +264,8 @@ class WorkerSupervisor:
         self._stopping = True
         if self._restart is not None:
             self._restart.cancel()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         proc, conn = self._proc, self._conn
         if proc is None or conn is None:
             return

@@ -18,13 +18,24 @@ from multiprocessing.connection import Connection
 from app.engine.adaptive import BatchCost, Mode, ModePolicy
 from app.engine.transcriber import Engine, InvalidRequestError, Segment
 from app.server.heap import heap_trimmer
-from app.server.protocol import BatchRequest, BatchResult, Cancel, Job, JobResult, LoadFailed, Progress, Ready
+from app.server.protocol import (
+    BatchRequest,
+    BatchResult,
+    Cancel,
+    Heartbeat,
+    Job,
+    JobResult,
+    LoadFailed,
+    Progress,
+    Ready,
+)
 from app.settings import Settings
 from app.store.loader import is_settings_error
 
 log = logging.getLogger("specwhisper.worker")
 
 IDLE_BEFORE_TRIM_S = 0.25  # under load the next batch comes sooner, so a busy worker never trims
+HEARTBEAT_S = 1.0
 
 
 class BatchRunner:
@@ -41,6 +52,15 @@ class BatchRunner:
         self.policy = policy
         self.send = send
         self.cancelled = cancelled
+        self._last_beat = 0.0
+
+    def _window_starts(self, request_id: str) -> bool:
+        """Asked before each window of each row: tells the supervisor the batch moves; whether to stop the row."""
+        now = time.monotonic()
+        if now - self._last_beat >= HEARTBEAT_S:
+            self._last_beat = now
+            self.send(Heartbeat())
+        return self.cancelled(request_id)
 
     def run(self, batch: BatchRequest) -> BatchResult:
         valid: list[Job] = []
@@ -72,7 +92,7 @@ class BatchRunner:
                 [j.audio for j in jobs],
                 options,
                 on_segments=progress,
-                cancelled=lambda i: self.cancelled(jobs[i].request_id),
+                cancelled=lambda i: self._window_starts(jobs[i].request_id),
             )
         except Exception as exc:  # a bug must fail its batch, not the worker
             log.exception("batch %s failed", batch_id)
