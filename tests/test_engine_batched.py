@@ -162,3 +162,16 @@ def test_words_of_a_window_one_frame_long(base: WhisperModel, clip: Callable) ->
     words = align_words(base, cross, tok.prompt("en", "transcribe", timestamps=True), text, 1, "en")
     assert "".join(w.word for w in words) == " And so my fellow Americans"
     assert all(w.start == w.end == 0.0 for w in words)
+
+
+def test_a_window_without_speech_gives_no_text_in_any_mode(base: WhisperModel, drafters: dict) -> None:
+    """Five seconds of faint noise: the model says no speech (and has no confident text), so the window
+    is skipped with or without timestamps; before, without timestamps it made up a sentence."""
+    noise = (np.random.default_rng(0).standard_normal(16000 * 5) * 0.01).astype(np.float32)
+    engine = Engine(base, drafters["self-draft"])
+    for timestamps in ("none", "segment"):
+        for use in (True, False):
+            result = engine.transcribe(
+                [noise], [DecodingOptions(language="en", timestamps=timestamps, use_assistant=use)]
+            )
+            assert (result[0].text, result[0].segments) == ("", []), (timestamps, use)

@@ -389,7 +389,7 @@ class Engine:
             and d.no_speech_prob > opts.no_speech_threshold
             and not (opts.logprob_threshold is not None and d.avg_logprob > opts.logprob_threshold)
         )
-        if silent and job.with_timestamps:
+        if silent:  # whatever the timestamp mode, as in OpenAI's transcribe(): no text made up over noise
             job.seek += size
             return
         tokens = d.tokens

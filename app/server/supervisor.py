@@ -102,17 +102,23 @@ class WorkerSupervisor:
         start_limit, stall_limit = self.settings.worker_start_timeout_s, self.settings.worker_stall_timeout_s
         while not self._stopping:
             await asyncio.sleep(min(1.0, start_limit / 4, stall_limit / 4))
-            proc = self._proc
-            if proc is None or not proc.is_alive() or self._stopping:
-                continue
-            now = time.monotonic()
-            if self.ready is None and now - self._spawned_at > start_limit:
-                log.error("the worker is not ready after %.0f s; killing it", now - self._spawned_at)
-            elif self._inflight and now - self._heard_at > stall_limit:
-                log.error("the worker sent nothing for %.0f s during a batch; killing it as hung", now - self._heard_at)
-            else:
-                continue
-            proc.kill()  # its reader thread sees the pipe close: the batch fails and a new worker starts
+            try:
+                self._check_alive(start_limit, stall_limit)
+            except Exception:  # the watchdog must outlive anything it meets
+                log.exception("worker watchdog")
+
+    def _check_alive(self, start_limit: float, stall_limit: float) -> None:
+        proc = self._proc
+        if proc is None or self._stopping or not proc.is_alive():
+            return
+        now = time.monotonic()
+        if self.ready is None and now - self._spawned_at > start_limit:
+            log.error("the worker is not ready after %.0f s; killing it", now - self._spawned_at)
+        elif self._inflight and now - self._heard_at > stall_limit:
+            log.error("the worker sent nothing for %.0f s during a batch; killing it as hung", now - self._heard_at)
+        else:
+            return
+        proc.kill()  # its reader thread sees the pipe close: the batch fails and a new worker starts
 
     def check_ready(self) -> None:
         """Raise WorkerUnavailable (NoUsableModel when that is final) unless a batch can run now."""
