@@ -57,7 +57,8 @@ class Settings(BaseSettings):
     worker_stall_timeout_s: float = Field(
         300.0,
         gt=0,
-        description="a worker silent this long during a batch (a 30-s window) is taken as hung and restarted",
+        description="a worker with no sign of progress (it sends one per main-model pass) this long in a batch is"
+        " taken as hung and restarted",
     )
     api_keys: list[str] = Field(default_factory=list, description="accepted Bearer keys; empty = no auth")
 

@@ -157,31 +157,34 @@ def test_quantized_ct2_models_are_dequantized(
 
 def test_ct2_folders_get_store_entries_of_their_own(tmp_path: Path) -> None:
     """Two CTranslate2 folders of one name, and one named like an embedded model, convert into entries
-    of their own; a changed model.bin is converted again; a name holding another source is refused."""
+    of their own; an entry an earlier version named after the folder still serves its own file; a
+    changed model.bin is converted again; a name holding another file's model is refused."""
     _, bundle = _ct2_source("whisper-tiny.en")
     folders = [tmp_path / "a" / "model", tmp_path / "b" / "model", tmp_path / "c" / "whisper-base"]
     for folder in folders:
         folder.mkdir(parents=True)
-        for name in ("model.bin", "config.json", "tokenizer.json", "vocabulary.txt"):
-            if (bundle / name).exists():
-                (folder / name).symlink_to(bundle / name)
+        for name in ("config.json", "tokenizer.json", "vocabulary.txt"):
+            (folder / name).symlink_to(bundle / name)
+    shutil.copyfile(bundle / "model.bin", folders[0] / "model.bin")  # a file of its own
+    for folder in folders[1:]:
+        (folder / "model.bin").symlink_to(bundle / "model.bin")  # one file, two folders
     store = ModelStore(tmp_path / "store")
+    legacy = store.convert_dir(folders[0], name="model", progress=False)  # as earlier versions named it
     entries = [Path(store.resolve(str(folder), progress=False)) for folder in folders]
-    assert len(set(entries)) == 3 and store.path("whisper-base") not in entries
+    assert entries[0] == legacy and len(set(entries)) == 3 and store.path("whisper-base") not in entries
     for folder, entry in zip(folders, entries, strict=True):
-        assert (entry / "SOURCE").read_text().split() == [str(folder / "model.bin")]
-    first = entries[0] / "model.safetensors"
-    converted_at = first.stat().st_mtime_ns
-    assert Path(store.resolve(str(folders[0]), progress=False)) == entries[0]
-    assert first.stat().st_mtime_ns == converted_at  # up to date: not converted again
-    newer = folders[0] / "model.bin"
-    newer.unlink()
-    shutil.copyfile(bundle / "model.bin", newer)  # a new file, written after the conversion
-    assert Path(store.resolve(str(folders[0]), progress=False)) == entries[0]
-    assert first.stat().st_mtime_ns != converted_at
+        assert (entry / "SOURCE").read_text().split() == [str((folder / "model.bin").resolve())]
+    weights = legacy / "model.safetensors"
+    converted_at = weights.stat().st_mtime_ns
+    assert Path(store.resolve(str(folders[0]), progress=False)) == legacy
+    assert weights.stat().st_mtime_ns == converted_at  # up to date: not converted again
+    (folders[0] / "model.bin").unlink()
+    shutil.copyfile(bundle / "model.bin", folders[0] / "model.bin")  # a new file, written after the conversion
+    assert Path(store.resolve(str(folders[0]), progress=False)) == legacy
+    assert weights.stat().st_mtime_ns != converted_at
     with pytest.raises(ModelNotFoundError, match="holds a model converted from"):
-        store.convert_dir(folders[1], name=entries[0].name, progress=False)
-    assert store.convert_dir(folders[1], name=entries[0].name, force=True, progress=False) == entries[0]
+        store.convert_dir(folders[1], name="model", progress=False)
+    assert store.convert_dir(folders[1], name="model", force=True, progress=False) == legacy
 
 
 def test_convert_failure_leaves_nothing_behind(tmp_path: Path) -> None:

@@ -25,7 +25,9 @@ def run_models(args: argparse.Namespace, settings: Settings) -> int:
     for source in sources:
         try:
             if Path(source).is_dir():
-                path = store.convert_dir(Path(source), name=args.name, force=args.force)
+                # Named after the folder unless --name says otherwise; a clash is refused, not overwritten.
+                name = args.name or Path(source).resolve().name
+                path = store.convert_dir(Path(source), name=name, force=args.force)
             else:
                 path = store.convert_embedded(source, force=args.force)
         except ModelNotFoundError as exc:

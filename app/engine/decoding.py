@@ -11,6 +11,7 @@ share every rule and every op, which is what makes their outputs identical.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,8 +67,11 @@ def decode(
     rows: list[Row],
     draft: DraftSession | None,
     generator: torch.Generator | None = None,
+    tick: Callable[[], None] | None = None,
 ) -> list[Decoded]:
-    """Decode all rows to end-of-text or their length limit; rows leave the batch as they finish."""
+    """Decode all rows to end-of-text or their length limit; rows leave the batch as they finish.
+
+    tick() is called after each main-model pass (a caller's sign of life; it must be cheap)."""
     generator = generator or torch.Generator().manual_seed(0)
     state = DecoderState.start(main.decoder, cross, len(rows), capacity=max(row.max_len for row in rows))
     stats = [RowStats() for _ in rows]
@@ -85,6 +89,8 @@ def decode(
             draft_passes = draft.passes - before
         pending = [row.tokens[fed:] for row, fed in zip(live, state.fed, strict=True)]
         hidden, _ = state.feed([p + d for p, d in zip(pending, drafts.tokens, strict=True)])
+        if tick is not None:
+            tick()
         if first:
             _no_speech(main, hidden, live)
         index = [list(range(len(p) - 1, len(p) + len(d))) for p, d in zip(pending, drafts.tokens, strict=True)]

@@ -224,6 +224,7 @@ class Engine:
         options: Sequence[DecodingOptions],
         on_segments: Callable[[int, list[Segment]], None] | None = None,
         cancelled: Callable[[int], bool] | None = None,
+        heartbeat: Callable[[], None] | None = None,
     ) -> list[Transcription]:
         """Transcribe a batch of 16-kHz mono clips; every request of the batch shares each pass.
 
@@ -231,6 +232,8 @@ class Engine:
         so that a caller can stream long audio while it is being transcribed.
         cancelled(i) is asked before each window: clip i then stops where it is, with finish
         "cancelled", and the rest of the batch goes on without it.
+        heartbeat() is called at least once a window and after each encoder run and main-model
+        pass, so that a supervisor can tell slow work from a hang (it must be cheap).
         """
         if not audio or len(audio) != len(options):
             raise InvalidRequestError("need one set of options per clip, and at least one clip")
@@ -248,7 +251,7 @@ class Engine:
                 if not active:
                     break
                 before = [len(job.segments) for job in active]
-                self._window(active, batch=len(jobs))
+                self._window(active, batch=len(jobs), heartbeat=heartbeat)
                 if on_segments is not None:
                     for job, n in zip(active, before, strict=True):
                         if len(job.segments) > n:
@@ -289,10 +292,14 @@ class Engine:
         return DraftInputs(features, encoder_out, cross, audio_frames=-(-segment_frames // INPUT_STRIDE))
 
     # -- one window of every active job --------------------------------------------------------
-    def _window(self, jobs: list[_Job], batch: int) -> None:
+    def _window(self, jobs: list[_Job], batch: int, heartbeat: Callable[[], None] | None = None) -> None:
         t0 = time.perf_counter()
+        if heartbeat is not None:
+            heartbeat()
         features = torch.stack([job.features() for job in jobs])
         session_inputs = self._inputs(features, self.main.encode(features), max(job.segment_frames for job in jobs))
+        if heartbeat is not None:
+            heartbeat()
         cross = session_inputs.main_cross
         t1 = time.perf_counter()
         tok = self.main.tokenizer
@@ -310,7 +317,7 @@ class Engine:
             temps = [jobs[i].options.temperatures[attempt] for i in pending]
             index = torch.tensor(pending)
             sub_cross = cross if len(pending) == len(jobs) else cross.select(index)
-            decoded = self._decode([jobs[i] for i in pending], temps, sub_cross, session_inputs, index)
+            decoded = self._decode([jobs[i] for i in pending], temps, sub_cross, session_inputs, index, heartbeat)
             retry = []
             for i, d, t in zip(pending, decoded, temps, strict=True):
                 jobs[i].counters.decoding.add(d.stats)
@@ -328,7 +335,13 @@ class Engine:
             job.counters.windows += 1
 
     def _decode(
-        self, jobs: list[_Job], temps: list[float], cross: CrossKV, inputs: DraftInputs, index: torch.Tensor
+        self,
+        jobs: list[_Job],
+        temps: list[float],
+        cross: CrossKV,
+        inputs: DraftInputs,
+        index: torch.Tensor,
+        heartbeat: Callable[[], None] | None = None,
     ) -> list[Decoded]:
         rows = [self._row(job, t) for job, t in zip(jobs, temps, strict=True)]
         session = None
@@ -341,7 +354,7 @@ class Engine:
                     main_cross=cross,
                 )
             session = self.drafter.start(replace(inputs, capacity=max(row.max_len for row in rows)))
-        return decode(self.main, cross, rows, session, self.generator)
+        return decode(self.main, cross, rows, session, self.generator, heartbeat)
 
     def _row(self, job: _Job, temperature: float) -> Row:
         tok = self.main.tokenizer

@@ -64,7 +64,7 @@ class Ready:
 
 @dataclass(frozen=True)
 class Heartbeat:
-    """The worker is working on its batch (sent at each window, at most once a second)."""
+    """The worker is working on its batch (sent as its engine makes progress, at most once a second)."""
 
 
 @dataclass(frozen=True)

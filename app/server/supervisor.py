@@ -133,11 +133,16 @@ class WorkerSupervisor:
             return
         self._load_failed = None
         ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
+        try:
+            parent, child = ctx.Pipe()
+        except OSError:  # out of file descriptors: try again later
+            log.exception("could not start the worker")
+            self._schedule_restart()
+            return
         proc = ctx.Process(target=worker_main, args=(self.settings, child), name="specwhisper-worker", daemon=True)
         try:
             proc.start()
-        except OSError:  # out of processes, memory or file descriptors: try again later
+        except OSError:  # out of processes or memory: try again later
             parent.close()
             child.close()
             log.exception("could not start the worker")

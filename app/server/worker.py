@@ -54,13 +54,13 @@ class BatchRunner:
         self.cancelled = cancelled
         self._last_beat = 0.0
 
-    def _window_starts(self, request_id: str) -> bool:
-        """Asked before each window of each row: tells the supervisor the batch moves; whether to stop the row."""
+    def _heartbeat(self) -> None:
+        """Called by the engine many times a window: tells the supervisor (at most once a second) that
+        the batch moves."""
         now = time.monotonic()
         if now - self._last_beat >= HEARTBEAT_S:
             self._last_beat = now
             self.send(Heartbeat())
-        return self.cancelled(request_id)
 
     def run(self, batch: BatchRequest) -> BatchResult:
         valid: list[Job] = []
@@ -92,7 +92,8 @@ class BatchRunner:
                 [j.audio for j in jobs],
                 options,
                 on_segments=progress,
-                cancelled=lambda i: self._window_starts(jobs[i].request_id),
+                cancelled=lambda i: self.cancelled(jobs[i].request_id),
+                heartbeat=self._heartbeat,
             )
         except Exception as exc:  # a bug must fail its batch, not the worker
             log.exception("batch %s failed", batch_id)

@@ -140,27 +140,37 @@ class ModelStore:
 
     def convert_dir(self, source: Path, *, name: str | None = None, force: bool = False, progress: bool = True) -> Path:
         """Convert the CTranslate2 directory `source` into the store, once: again only when its
-        model.bin is newer than the entry.
+        model.bin (the file it resolves to) is newer than the entry.
 
-        The entry is `name`, or the folder's name with a digest of its path, so that two folders of
-        one name, or one named like an embedded model, never share an entry. A `name` that holds a
-        model converted from elsewhere is refused unless `force`.
+        The entry is `name`, or the folder's name with a digest of its model.bin's real path, so that
+        two folders of one name, or one named like an embedded model, never share an entry (an entry
+        named after the folder alone, as earlier versions made, serves if it was converted from this
+        very file). A `name` holding a model converted from another file is refused unless `force`.
         """
-        model_bin = (source / "model.bin").absolute()
-        digest = hashlib.sha256(str(model_bin.parent).encode()).hexdigest()[:8]
-        destination = self.path(name or f"{model_bin.parent.name}-{digest}")
+        model_bin = (source / "model.bin").resolve()
+        folder = source.resolve().name
+        if name is None:
+            legacy = self.path(folder)
+            digest = hashlib.sha256(str(model_bin).encode()).hexdigest()[:8]
+            destination = legacy if self._converted_from(legacy, model_bin) else self.path(f"{folder}-{digest}")
+        else:
+            destination = self.path(name)
         with self._lock():
             if not force and is_hf_dir(destination):
-                origin = converted_from(destination)
-                if origin != [str(model_bin)]:
+                if not self._converted_from(destination, model_bin):
+                    origin = ", ".join(converted_from(destination)) or "elsewhere"
                     raise ModelNotFoundError(
-                        f"{destination} holds a model converted from {', '.join(origin) or 'elsewhere'}, not from"
-                        f" {source}: choose another name, or replace it (--force)"
+                        f"{destination} holds a model converted from {origin}, not from {model_bin}:"
+                        " choose another name, or replace it (--force)"
                     )
                 if model_bin.stat().st_mtime <= (destination / HF_WEIGHTS).stat().st_mtime:
                     return destination
             convert_ct2(model_bin, destination, bundle_dir=source, progress=progress)
         return destination
+
+    @staticmethod
+    def _converted_from(entry: Path, model_bin: Path) -> bool:
+        return is_hf_dir(entry) and [Path(p).resolve() for p in converted_from(entry)] == [model_bin]
 
     def resolve(self, ref: str, *, progress: bool = True) -> str:
         """A local HF directory (as a string) for `ref`, converting once if needed, or `ref` as a hub id."""

@@ -16,6 +16,8 @@ from typing import BinaryIO
 
 import numpy as np
 
+from app.store.checkpoint import CheckpointError
+
 _DTYPES: dict[int, np.dtype] = {
     0: np.dtype("<f4"),
     1: np.dtype("i1"),
@@ -28,7 +30,7 @@ _DTYPES: dict[int, np.dtype] = {
 _BF16 = 5
 
 
-class CT2FormatError(ValueError):
+class CT2FormatError(CheckpointError):
     """The file is not a CTranslate2 Whisper model this reader understands."""
 
 

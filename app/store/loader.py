@@ -12,7 +12,7 @@ from app.engine.decoder import TextDecoder
 from app.engine.encoder import AudioEncoder
 from app.engine.kernels import pack_linears
 from app.engine.model import GenerationConstants, WhisperModel
-from app.engine.tokenizer import WhisperTokenizer
+from app.engine.tokenizer import VocabularyMismatchError, WhisperTokenizer
 from app.engine.weights import WhisperDims
 from app.store.catalog import EMBEDDED, ModelNotFoundError, ModelStore
 from app.store.checkpoint import (
@@ -49,7 +49,7 @@ def is_settings_error(exc: BaseException) -> bool:
     again would fail the same way; not so for a hub out of reach, memory or a device."""
     if any(isinstance(e, HubUnreachableError) and not e.offline for e in (exc, exc.__cause__)):
         return False
-    return isinstance(exc, ModelNotFoundError | CheckpointError)
+    return isinstance(exc, ModelNotFoundError | CheckpointError | VocabularyMismatchError)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
