@@ -49,8 +49,9 @@ class WorkerSupervisor:
     unusable at the first start (LoadFailed, permanent) is not restarted: `on_fatal` gets its reason.
 
     A watchdog kills (and so restarts) a worker that is not ready within `worker_start_timeout_s`, or
-    that sends nothing for `worker_stall_timeout_s` while a batch runs (it sends a heartbeat at each
-    window): a hung worker would otherwise hold every request behind it until its timeout, forever.
+    that sends nothing for `worker_stall_timeout_s` while a batch runs (its engine beats around each
+    encoder run and after each main-model pass): a hung worker would otherwise hold every request
+    behind it until its timeout, forever.
     """
 
     def __init__(
