@@ -134,18 +134,15 @@ class WorkerSupervisor:
             return
         self._load_failed = None
         ctx = mp.get_context("spawn")
+        parent = child = None
         try:
             parent, child = ctx.Pipe()
-        except OSError:  # out of file descriptors: try again later
-            log.exception("could not start the worker")
-            self._schedule_restart()
-            return
-        proc = ctx.Process(target=worker_main, args=(self.settings, child), name="specwhisper-worker", daemon=True)
-        try:
+            proc = ctx.Process(target=worker_main, args=(self.settings, child), name="specwhisper-worker", daemon=True)
             proc.start()
-        except OSError:  # out of processes or memory: try again later
-            parent.close()
-            child.close()
+        except OSError:  # out of file descriptors, processes or memory: try again later
+            for end in (parent, child):
+                if end is not None:
+                    end.close()
             log.exception("could not start the worker")
             self._schedule_restart()
             return

@@ -152,12 +152,12 @@ class ModelStore:
         if name is None:
             legacy = self.path(folder)
             digest = hashlib.sha256(str(model_bin).encode()).hexdigest()[:8]
-            destination = legacy if self._converted_from(legacy, model_bin) else self.path(f"{folder}-{digest}")
+            destination = legacy if self._holds_conversion_of(legacy, model_bin) else self.path(f"{folder}-{digest}")
         else:
             destination = self.path(name)
         with self._lock():
             if not force and is_hf_dir(destination):
-                if not self._converted_from(destination, model_bin):
+                if not self._holds_conversion_of(destination, model_bin):
                     origin = ", ".join(converted_from(destination)) or "elsewhere"
                     raise ModelNotFoundError(
                         f"{destination} holds a model converted from {origin}, not from {model_bin}:"
@@ -169,7 +169,8 @@ class ModelStore:
         return destination
 
     @staticmethod
-    def _converted_from(entry: Path, model_bin: Path) -> bool:
+    def _holds_conversion_of(entry: Path, model_bin: Path) -> bool:
+        """Whether store entry `entry` was converted from the file `model_bin`."""
         return is_hf_dir(entry) and [Path(p).resolve() for p in converted_from(entry)] == [model_bin]
 
     def resolve(self, ref: str, *, progress: bool = True) -> str:

@@ -112,9 +112,9 @@ def _dequantized(variables: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """
     out = dict(variables)
     for name in variables:
-        if not name.endswith("_scale") or name[: -len("_scale")] not in variables:
+        weight = name.removesuffix("_scale")
+        if weight == name or weight not in variables:
             continue
-        weight = name[: -len("_scale")]
         q, scale = variables[weight], variables[name].astype(np.float32)
         if q.dtype not in (np.int8, np.int16):
             raise CT2FormatError(f"{weight}: a scale for {q.dtype} weights")
