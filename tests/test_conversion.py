@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -158,7 +159,7 @@ def test_quantized_ct2_models_are_dequantized(
 def test_ct2_folders_get_store_entries_of_their_own(tmp_path: Path) -> None:
     """Two CTranslate2 folders of one name, and one named like an embedded model, convert into entries
     of their own; an entry an earlier version named after the folder still serves its own file; a
-    changed model.bin is converted again; a name holding another file's model is refused."""
+    changed model.bin (newer or older) is converted again; a name holding another file's model is refused."""
     _, bundle = _ct2_source("whisper-tiny.en")
     folders = [tmp_path / "a" / "model", tmp_path / "b" / "model", tmp_path / "c" / "whisper-base"]
     for folder in folders:
@@ -180,6 +181,10 @@ def test_ct2_folders_get_store_entries_of_their_own(tmp_path: Path) -> None:
     assert weights.stat().st_mtime_ns == converted_at  # up to date: not converted again
     (folders[0] / "model.bin").unlink()
     shutil.copyfile(bundle / "model.bin", folders[0] / "model.bin")  # a new file, written after the conversion
+    assert Path(store.resolve(str(folders[0]), progress=False)) == legacy
+    assert weights.stat().st_mtime_ns != converted_at
+    converted_at = weights.stat().st_mtime_ns
+    os.utime(folders[0] / "model.bin", (1e9, 1e9))  # an older file put in its place, as `cp -p` does
     assert Path(store.resolve(str(folders[0]), progress=False)) == legacy
     assert weights.stat().st_mtime_ns != converted_at
     with pytest.raises(ModelNotFoundError, match="holds a model converted from"):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.store.checkpoint import WEIGHT_FILES
-from app.store.convert import HF_WEIGHTS, convert_ct2
+from app.store.convert import HF_WEIGHTS, SOURCE_STAMP, convert_ct2, source_stamp
 
 
 class ModelNotFoundError(LookupError):
@@ -140,7 +140,8 @@ class ModelStore:
 
     def convert_dir(self, source: Path, *, name: str | None = None, force: bool = False, progress: bool = True) -> Path:
         """Convert the CTranslate2 directory `source` into the store, once: again only when its
-        model.bin (the file it resolves to) is newer than the entry.
+        model.bin (the file it resolves to) changed since, in size or modification time (either way:
+        `cp -p` or `rsync -a` bring an older one).
 
         The entry is `name`, or the folder's name with a digest of its model.bin's real path, so that
         two folders of one name, or one named like an embedded model, never share an entry (an entry
@@ -163,10 +164,19 @@ class ModelStore:
                         f"{destination} holds a model converted from {origin}, not from {model_bin}:"
                         " choose another name, or replace it (--force)"
                     )
-                if model_bin.stat().st_mtime <= (destination / HF_WEIGHTS).stat().st_mtime:
+                if self._is_current(destination, model_bin):
                     return destination
             convert_ct2(model_bin, destination, bundle_dir=source, progress=progress)
         return destination
+
+    @staticmethod
+    def _is_current(entry: Path, model_bin: Path) -> bool:
+        """Whether `entry`, converted from `model_bin`, still matches that file. Entries of versions that
+        kept no stamp go by modification time: current unless the file is newer than the weights."""
+        try:
+            return (entry / SOURCE_STAMP).read_text() == source_stamp([model_bin])
+        except FileNotFoundError:
+            return model_bin.stat().st_mtime <= (entry / HF_WEIGHTS).stat().st_mtime
 
     @staticmethod
     def _holds_conversion_of(entry: Path, model_bin: Path) -> bool:

@@ -19,6 +19,13 @@ from app.engine.tokenizer import WhisperTokenizer
 from app.store.ct2 import CT2Model, hf_config_kwargs, hf_state_dict, read_ct2
 
 HF_WEIGHTS = "model.safetensors"
+SOURCE_STAMP = "SOURCE.stat"  # size and mtime (ns) of each source file when it was read
+
+
+def source_stamp(parts: Sequence[Path]) -> str:
+    """One line per file of `parts`: its size and modification time, to tell a replaced file by."""
+    stats = [part.stat() for part in parts]
+    return "".join(f"{st.st_size} {st.st_mtime_ns}\n" for st in stats)
 
 
 def _concatenated(parts: Sequence[Path], into: Path) -> Path:
@@ -92,6 +99,7 @@ def convert_ct2(
     bundle_dir = Path(bundle_dir or parts[0].parent)
     destination = Path(destination)
     destination.parent.mkdir(parents=True, exist_ok=True)
+    stamp = source_stamp(parts)  # before reading: a file replaced meanwhile is converted again next time
     staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
     staging.chmod(0o755)
     try:
@@ -125,6 +133,7 @@ def convert_ct2(
         )
         shutil.copyfile(bundle_dir / "tokenizer.json", staging / "tokenizer.json")
         (staging / "SOURCE").write_text("\n".join(str(p) for p in parts) + "\n")
+        (staging / SOURCE_STAMP).write_text(stamp)
         if destination.exists():
             shutil.rmtree(destination)
         os.replace(staging, destination)
