@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -205,6 +208,54 @@ def test_hub_ids_load_offline_from_the_cache_or_say_what_it_lacks(
     # Offline by setting, these are final; with the hub merely out of reach, a later try may succeed.
     assert is_settings_error(partial.value) and is_settings_error(absent.value)
     assert not is_settings_error(HubUnreachableError("the network is down", offline=False))
+
+
+def test_hub_models_come_from_the_cache_at_once_when_the_hub_is_out_of_reach(reference: Path, tmp_path: Path) -> None:
+    """Not switched offline, but the hub does not answer: one request finds that out, and the cached
+    files serve without huggingface_hub's retries (five per file, ~24 s each file)."""
+    side = {name: reference / name for name in ("config.json", "generation_config.json", "tokenizer.json")}
+    hub_cache(tmp_path / "hub", "org/cached", side | {"model.safetensors": reference / "model.safetensors"})
+    hub_cache(tmp_path / "hub", "org/partial", side)
+    requests: list[bytes] = []
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # a hub that hangs up on every request
+
+        def hang_up() -> None:
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    return
+                with conn:
+                    requests.append(conn.recv(4096).split(b"\r\n")[0])
+
+        threading.Thread(target=hang_up, daemon=True).start()
+        code = (
+            "import sys\n"
+            "from pathlib import Path\n"
+            "from app.store.catalog import ModelStore\n"
+            "from app.store.checkpoint import HubUnreachableError\n"
+            "from app.store.loader import is_settings_error, load_model\n"
+            "store = ModelStore(Path(sys.argv[1]))\n"
+            "print(load_model('org/cached', store, progress=False).name)\n"
+            "try:\n"
+            "    load_model('org/partial', store, progress=False)\n"
+            "except HubUnreachableError as exc:\n"
+            "    print('settings error' if is_settings_error(exc) else 'may pass later', exc)\n"
+        )
+        env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+        env |= {"HF_ENDPOINT": f"http://127.0.0.1:{listener.getsockname()[1]}", "HF_HUB_CACHE": str(tmp_path / "hub")}
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path / "store")], env=env, capture_output=True, text=True, timeout=600
+        )
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[0] == "org/cached"
+    assert (
+        lines[1].startswith("may pass later") and "model.safetensors is not in the local Hugging Face cache" in lines[1]
+    )
+    # One request found the hub out of reach; no file was asked for (huggingface_hub may fetch its own things).
+    assert requests.count(b"HEAD / HTTP/1.1") == 1, requests
+    assert not [line for line in requests if b"/org/" in line], requests
 
 
 def test_loading_a_model_does_not_import_transformers_model_code(base_dir: Path) -> None:

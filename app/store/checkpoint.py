@@ -9,6 +9,8 @@ for Whisper base, before a single weight was read.
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack
 from pathlib import Path
@@ -16,6 +18,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+log = logging.getLogger(__name__)
 
 # In transformers' order of preference.
 WEIGHT_FILES = (
@@ -42,6 +46,33 @@ class HubUnreachableError(CheckpointError):
         self.offline = offline
 
 
+REACH_TTL_S = 60.0
+_reach: dict[str, tuple[float, bool]] = {}  # hub endpoint -> (when asked, whether it answered)
+
+
+def hub_reachable(endpoint: str) -> bool:
+    """Whether the hub at `endpoint` answered a request lately (asked again after REACH_TTL_S).
+
+    huggingface_hub retries a request that cannot connect five times (~24 s) before it settles for
+    its cache, and it does so for each file. A model of five files, all cached, then took two
+    minutes to load with the network down. One quick request tells, and the files come from the
+    cache at once.
+    """
+    now = time.monotonic()
+    asked = _reach.get(endpoint)
+    if asked is None or now - asked[0] > REACH_TTL_S:
+        from huggingface_hub.utils import get_session
+
+        try:
+            get_session().head(endpoint, timeout=5)  # any answer, even an error status, will do
+            answered = True
+        except Exception as exc:  # what a transport raises varies: no connection, no name, a timeout
+            answered = False
+            log.warning("the hub %s cannot be reached (%s); hub models come from the local cache", endpoint, exc)
+        _reach[endpoint] = asked = (now, answered)
+    return asked[1]
+
+
 def checkpoint_file(ref: str, name: str) -> Path | None:
     """`name` in the local directory `ref`, or in the hub repository `ref` (downloaded once); None if absent.
 
@@ -61,7 +92,8 @@ def checkpoint_file(ref: str, name: str) -> Path | None:
     )
 
     try:
-        return Path(hf_hub_download(ref, name))
+        local_only = constants.HF_HUB_OFFLINE or not hub_reachable(constants.ENDPOINT)
+        return Path(hf_hub_download(ref, name, local_files_only=local_only))
     except LocalEntryNotFoundError as exc:  # before EntryNotFoundError, of which it is a subclass
         if try_to_load_from_cache(ref, name) is _CACHED_NO_EXIST:  # the hub said so before
             return None
