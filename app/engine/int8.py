@@ -17,6 +17,7 @@ choice changes the speed of speculative decoding, never its output.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import importlib.machinery
@@ -126,13 +127,34 @@ def _load_prebuilt() -> Any | None:
     return module
 
 
+def _build_directory(name: str) -> Path:
+    """Where torch's extension loader builds and caches `name` (`TORCH_EXTENSIONS_DIR` or its default)."""
+    from torch.utils import cpp_extension
+
+    locate = getattr(cpp_extension, "_get_build_directory", None)  # private, kept for years
+    if locate is not None:
+        return Path(locate(name, False))
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / name
+
+
 def _compile_native() -> Any:
     from torch.utils.cpp_extension import load
 
     # One build folder per source version and checkout: ninja rebuilds when a source's path changes,
     # so two checkouts of one version (or a bench against an old worktree) rebuilt each other's (~30 s).
     name = f"specwhisper_int8_{_sources_digest(str(SOURCE).encode())}"
-    return load(name=name, sources=[str(SOURCE)], extra_cflags=list(NATIVE_CFLAGS))
+    build = _build_directory(name)
+    build.mkdir(parents=True, exist_ok=True)
+    # torch guards a build with a lock file that stays behind when its process is killed mid-build
+    # (a worker that missed its start deadline): every later load then waits for it forever. A lock
+    # the kernel drops with its holder guards ours, so a lock file seen while holding it is stale.
+    with open(build / "specwhisper.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        if (build / "lock").exists():
+            log.warning("removing the lock file of an int8 kernel build that did not finish: %s", build / "lock")
+            (build / "lock").unlink(missing_ok=True)
+        return load(name=name, sources=[str(SOURCE)], extra_cflags=list(NATIVE_CFLAGS), build_directory=str(build))
 
 
 @functools.cache
