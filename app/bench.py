@@ -25,7 +25,8 @@ from tqdm import tqdm
 from app.audio import load_audio
 from app.comparisons import ClipRunner, FasterWhisper, HFGenerate, RunResult
 from app.engine.assistant import NO_ASSISTANT
-from app.engine.transcriber import DecodingOptions, Engine, Transcription
+from app.engine.interface import DecodingOptions, Transcription
+from app.engine.transcriber import Engine
 from app.settings import Settings
 
 CHARACTER_LANGUAGES = {"ja", "ko", "zh", "th", "yue"}

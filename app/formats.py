@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.engine.transcriber import Transcription
+from app.engine.interface import Transcription
 
 FORMATS = ("text", "json", "verbose_json", "srt", "vtt")
 

@@ -7,9 +7,10 @@ from collections.abc import Callable
 import pytest
 
 from app.engine.assistant import self_draft
+from app.engine.interface import DecodingOptions, InvalidRequestError
 from app.engine.model import WhisperModel
 from app.engine.tokenizer import VocabularyMismatchError
-from app.engine.transcriber import DecodingOptions, Engine, InvalidRequestError
+from app.engine.transcriber import Engine
 from app.runtime import build_engine
 from app.settings import Settings
 

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from app.comparisons import FasterWhisper, HFGenerate
+from app.engine.interface import DecodingOptions
 from app.engine.model import WhisperModel
-from app.engine.transcriber import DecodingOptions, Engine
+from app.engine.transcriber import Engine
 
 CLIP = "whisper/jfk"
 

@@ -10,8 +10,9 @@ import pytest
 
 from app.engine.assistant import self_draft
 from app.engine.draft import Drafter
+from app.engine.interface import DecodingOptions, Transcription
 from app.engine.model import WhisperModel
-from app.engine.transcriber import DecodingOptions, Engine, Transcription
+from app.engine.transcriber import Engine
 from tests.drafts import noisy_self_draft
 
 # (clip, options) requests of different lengths, languages, tasks, prompts and timestamp modes.

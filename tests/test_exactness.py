@@ -12,8 +12,9 @@ import torch
 from app.engine.assistant import model_draft, self_draft
 from app.engine.batch import DecoderState, Row
 from app.engine.draft import DecoderDrafter, Drafter, DraftInputs, Drafts, DraftSession
+from app.engine.interface import DecodingOptions
 from app.engine.model import WhisperModel
-from app.engine.transcriber import DecodingOptions, Engine
+from app.engine.transcriber import Engine
 from app.store.catalog import ModelStore
 from app.store.loader import load_model
 from tests.drafts import (

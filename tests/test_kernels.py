@@ -13,12 +13,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.engine.encoder import AudioEncoder
-from app.engine.features import N_SAMPLES, log_mel, window
+from app.engine.features import N_FFT, N_SAMPLES, SAMPLE_RATE, log_mel, mel_filters, window
 from app.engine.kernels import PackedLinear, attention, linear_add, linear_gelu, pack_linears, packing_available
 from app.engine.model import WhisperModel
 from app.engine.weights import WhisperDims
 
 needs_onednn = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear ops")
+
+
+@pytest.mark.parametrize("n_mels", [80, 128])
+def test_mel_filterbank_equals_transformers(n_mels: int) -> None:
+    """The engine's own filterbank (Whisper's 80 bins, large-v3's 128) is transformers' to the bit."""
+    from transformers.audio_utils import mel_filter_bank
+
+    reference = mel_filter_bank(
+        num_frequency_bins=N_FFT // 2 + 1,
+        num_mel_filters=n_mels,
+        min_frequency=0.0,
+        max_frequency=8000.0,
+        sampling_rate=SAMPLE_RATE,
+        norm="slaney",
+        mel_scale="slaney",
+    )
+    assert torch.equal(mel_filters(n_mels), torch.from_numpy(np.asarray(reference, dtype=np.float32)).T)
 
 
 @needs_onednn

@@ -296,6 +296,15 @@ def test_realtime_bad_events_get_errors_and_others_keep_working(server: ServerPr
     assert latency and float(latency.group(1)) >= 1
 
 
+def test_the_web_process_never_loads_torch(server: ServerProcess) -> None:
+    """After uploads, SSE and live sessions, the web process still holds no torch: the engine's types it
+    uses are plain data (app.engine.interface), and torch belongs to the worker. It had cost every web
+    process ~190 MB and ~3 s of start-up."""
+    assert server.proc is not None
+    maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
+    assert "libtorch" not in maps
+
+
 @pytest.fixture(scope="module")
 def strict_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("streaming-strict") / "server.log"

@@ -131,10 +131,16 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _gpubench(args: argparse.Namespace) -> int:
-    from app.gpubench import run_cli
+GPUBENCH_HELP = "per-step draft/verify/main costs with random large-v3 weights"
 
-    return run_cli(args)
+
+def _gpubench(args: argparse.Namespace) -> int:
+    from app.gpubench import add_arguments, run_cli
+
+    # Its options are parsed here, so that no other command (serve above all) loads torch for them.
+    parser = argparse.ArgumentParser(prog="python -m app gpubench", description=GPUBENCH_HELP)
+    add_arguments(parser)
+    return run_cli(parser.parse_args(args.gpubench_options))
 
 
 def _kernels(args: argparse.Namespace) -> int:
@@ -210,10 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(bench)
     bench.set_defaults(handler=_bench)
 
-    from app.gpubench import add_arguments as add_gpubench_arguments
-
-    gpu = commands.add_parser("gpubench", help="per-step draft/verify/main costs with random large-v3 weights")
-    add_gpubench_arguments(gpu)
+    # Its own parser takes its options (main() hands them over), and `gpubench --help` lists them.
+    gpu = commands.add_parser("gpubench", help=GPUBENCH_HELP, add_help=False)
     gpu.set_defaults(handler=_gpubench)
 
     from app import loadtest, soak
@@ -251,7 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if args.handler is _gpubench:
+        args.gpubench_options = unknown
+    elif unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

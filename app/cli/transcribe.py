@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 
 from app.audio import AudioError, load_audio
-from app.engine.transcriber import (
+from app.engine.interface import (
     FALLBACK_TEMPERATURES,
     DecodingOptions,
-    Engine,
     InvalidRequestError,
     TimestampMode,
     Transcription,
 )
+from app.engine.transcriber import Engine
 from app.formats import to_srt, to_verbose_json, to_vtt
 from app.runtime import build_engine
 from app.settings import Settings

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import string
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -11,6 +10,7 @@ import torch
 from app.engine.batch import DecoderState
 from app.engine.decoder import CrossKV
 from app.engine.features import TIME_PRECISION
+from app.engine.interface import Word
 from app.engine.model import WhisperModel
 from app.engine.tokenizer import WhisperTokenizer
 
@@ -18,15 +18,6 @@ MEDIAN_FILTER_WIDTH = 7
 NO_SPACE_LANGUAGES = {"zh", "ja", "th", "lo", "my", "yue"}
 PREPEND_PUNCTUATION = "\"'“¿([{-"
 APPEND_PUNCTUATION = "\"'.。,，!！?？:：”)]}、"
-
-
-@dataclass(frozen=True)
-class Word:
-    word: str
-    start: float
-    end: float
-    probability: float
-    tokens: tuple[int, ...]
 
 
 def dtw(cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -19,21 +19,35 @@ INPUT_STRIDE = 2  # mel frames per encoder output position (timestamp precision 
 TIME_PRECISION = INPUT_STRIDE / FRAMES_PER_SECOND
 
 
+def _hz_to_mel(hz: np.ndarray) -> np.ndarray:
+    """Slaney's mel scale: linear below 1 kHz (3 mels per 200 Hz), logarithmic above (27 mels per 6.4x)."""
+    mels = 3.0 * hz / 200.0
+    above = hz >= 1000.0
+    return np.where(above, 15.0 + np.log(np.where(above, hz, 1000.0) / 1000.0) * (27.0 / np.log(6.4)), mels)
+
+
+def _mel_to_hz(mels: np.ndarray) -> np.ndarray:
+    hz = 200.0 * mels / 3.0
+    above = mels >= 15.0
+    return np.where(above, 1000.0 * np.exp((np.log(6.4) / 27.0) * (np.where(above, mels, 15.0) - 15.0)), hz)
+
+
 @lru_cache(maxsize=4)
 def mel_filters(n_mels: int) -> Tensor:
-    """Slaney-style mel filterbank [n_mels, N_FFT // 2 + 1], as Whisper uses."""
-    from transformers.audio_utils import mel_filter_bank
+    """Slaney-style mel filterbank [n_mels, N_FFT // 2 + 1] from 0 to 8 kHz, area-normalized, as Whisper
+    uses (librosa's `mel(norm="slaney")`).
 
-    bank = mel_filter_bank(
-        num_frequency_bins=N_FFT // 2 + 1,
-        num_mel_filters=n_mels,
-        min_frequency=0.0,
-        max_frequency=8000.0,
-        sampling_rate=SAMPLE_RATE,
-        norm="slaney",
-        mel_scale="slaney",
-    )
-    return torch.from_numpy(np.asarray(bank, dtype=np.float32)).T.contiguous()
+    Computed here in float64, in the order transformers' `mel_filter_bank` computes it (the tests hold
+    the two equal), because importing transformers for it cost every worker and CLI run ~1.5 s.
+    """
+    fft_hz = np.linspace(0, SAMPLE_RATE // 2, N_FFT // 2 + 1)
+    edges = _mel_to_hz(np.linspace(_hz_to_mel(np.array(0.0)), _hz_to_mel(np.array(8000.0)), n_mels + 2))
+    widths = np.diff(edges)
+    offsets = edges[None, :] - fft_hz[:, None]  # [bins, n_mels + 2]
+    rising = -offsets[:, :-2] / widths[:-1]
+    falling = offsets[:, 2:] / widths[1:]
+    bank = np.maximum(0, np.minimum(rising, falling)) * (2.0 / (edges[2:] - edges[:-2]))[None, :]
+    return torch.from_numpy(bank.astype(np.float32)).T.contiguous()
 
 
 def log_mel(audio: np.ndarray, n_mels: int, padding: int = 0) -> Tensor:

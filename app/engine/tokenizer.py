@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-TASKS = ("transcribe", "translate")
+from app.engine.interface import TASKS
 
 
 class VocabularyMismatchError(ValueError):

@@ -13,14 +13,13 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field, replace
-from typing import Literal
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 from app.audio import SAMPLE_RATE
-from app.engine.alignment import Word, align_words
+from app.engine.alignment import align_words
 from app.engine.batch import Row
 from app.engine.decoder import CrossKV
 from app.engine.decoding import Decoded, RowStats, decode, detect_language
@@ -34,113 +33,17 @@ from app.engine.features import (
     log_mel,
     window,
 )
+from app.engine.interface import (
+    DecodingOptions,
+    InvalidRequestError,
+    Metrics,
+    Segment,
+    Transcription,
+    Word,
+)
 from app.engine.model import WhisperModel
-from app.engine.tokenizer import TASKS
 
-TimestampMode = Literal["none", "segment", "word"]
-TIMESTAMP_MODES: tuple[str, ...] = ("none", "segment", "word")
-FALLBACK_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 SAMPLE_LEN = 224  # tokens per window (OpenAI: n_text_ctx // 2)
-
-
-class InvalidRequestError(ValueError):
-    """The request's options or audio cannot be served by this engine."""
-
-
-@dataclass(frozen=True)
-class DecodingOptions:
-    """Per-request decoding options, validated when built.
-
-    temperature: one value, or a ladder tried in order when a window fails the
-    compression-ratio / log-probability checks (OpenAI's fallback). 0 is greedy.
-    """
-
-    language: str | None = None
-    task: str = "transcribe"
-    use_assistant: bool = True
-    timestamps: TimestampMode = "none"
-    prompt: str | None = None
-    temperature: float | tuple[float, ...] = 0.0
-    condition_on_previous_text: bool = True
-    compression_ratio_threshold: float | None = 2.4
-    logprob_threshold: float | None = -1.0
-    no_speech_threshold: float | None = 0.6
-    max_new_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.task not in TASKS:
-            raise InvalidRequestError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
-        if self.timestamps not in TIMESTAMP_MODES:
-            raise InvalidRequestError(f"timestamps must be one of {', '.join(TIMESTAMP_MODES)}")
-        if self.max_new_tokens is not None and not 1 <= self.max_new_tokens <= 448:
-            raise InvalidRequestError("max_new_tokens must be within 1..448")
-        temps = self.temperatures
-        if not temps or any(not 0.0 <= t <= 2.0 for t in temps):
-            raise InvalidRequestError("temperature must be within 0..2")
-        if self.language is not None and not self.language.isascii():
-            raise InvalidRequestError(f"unknown language {self.language!r}")
-
-    @property
-    def temperatures(self) -> tuple[float, ...]:
-        t = self.temperature
-        return (float(t),) if isinstance(t, (int, float)) else tuple(float(x) for x in t)
-
-
-@dataclass(frozen=True)
-class Metrics:
-    """Per-request measurements (times in milliseconds; batch-level times are shared by its rows)."""
-
-    audio_seconds: float
-    encode_ms: float
-    decode_ms: float
-    total_ms: float
-    tokens: int
-    draft_proposed: int
-    draft_accepted: int
-    acceptance_rate: float
-    main_passes: int
-    draft_passes: int
-    tokens_per_main_pass: float
-    real_time_factor: float
-    speculative: bool
-    batch_size: int
-    windows: int
-
-    def to_dict(self) -> dict[str, float | int | bool]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A span of text with its times (OpenAI `verbose_json` segment fields)."""
-
-    id: int
-    seek: int
-    start: float
-    end: float
-    text: str
-    tokens: list[int]
-    temperature: float
-    avg_logprob: float
-    compression_ratio: float
-    no_speech_prob: float
-    words: list[Word] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class Transcription:
-    text: str
-    tokens: list[int]
-    language: str | None
-    language_probability: float | None
-    duration: float
-    segments: list[Segment]
-    finish: str
-    metrics: Metrics
-
-    @property
-    def words(self) -> list[Word]:
-        return [w for s in self.segments for w in s.words]
 
 
 def compression_ratio(text: str) -> float:

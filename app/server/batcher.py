@@ -18,7 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from app.engine.transcriber import Segment
+from app.engine.interface import Segment
 from app.server.metrics import ServerMetrics
 from app.server.protocol import Job, JobResult, Progress
 from app.server.supervisor import WorkerSupervisor, WorkerUnavailable

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from app.engine.adaptive import Estimate, Mode
-from app.engine.transcriber import DecodingOptions, Segment, Transcription
+from app.engine.interface import DecodingOptions, Segment, Transcription
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.audio import AudioError, AudioTooLongError, decode_audio
-from app.engine.transcriber import DecodingOptions, InvalidRequestError, Transcription
+from app.engine.interface import DecodingOptions, InvalidRequestError, Transcription
 from app.formats import FORMATS, to_srt, to_verbose_json, to_vtt
 from app.server import errors
 from app.server.batcher import Batcher, Lane, Pending, QueueFull, ShuttingDown

@@ -14,9 +14,10 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from app.engine.adaptive import BatchCost, Mode, ModePolicy
-from app.engine.transcriber import Engine, InvalidRequestError, Segment
+from app.engine.interface import InvalidRequestError, Segment
 from app.server.heap import heap_trimmer
 from app.server.protocol import (
     BatchRequest,
@@ -30,7 +31,9 @@ from app.server.protocol import (
     Ready,
 )
 from app.settings import Settings
-from app.store.loader import is_settings_error
+
+if TYPE_CHECKING:  # the web process imports this module for `worker_main`, and must not load torch
+    from app.engine.transcriber import Engine
 
 log = logging.getLogger("specwhisper.worker")
 
@@ -176,6 +179,7 @@ def worker_main(settings: Settings, conn: Connection) -> None:
     from huggingface_hub.utils import disable_progress_bars
 
     from app.runtime import build_engine
+    from app.store.loader import is_settings_error
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.perf_counter()
