@@ -9,6 +9,8 @@ scripts/setup.sh dev,compare
 . .venv/bin/activate
 ruff check app tests
 ruff format --check app tests
-mypy
+# mypy's cache outside the checkout: a fresh clone then re-checks only what changed (~5 s, not ~85 s
+# of reading torch's stubs). It validates each entry against the files' contents.
+MYPY_CACHE_DIR="${MYPY_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/specwhisper/mypy}" mypy
 bash scripts/audit.sh
 python -m pytest -q -p no:cacheprovider --durations=15 "$@"
