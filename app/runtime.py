@@ -24,6 +24,8 @@ def build_engine(settings: Settings, *, progress: bool = True) -> Engine:
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
     main = load_model(settings.model, store, device=device, dtype=dtype, progress=progress)
+    if main.encoder is not None:
+        main.encoder.attention_kernel = settings.encoder_attention
     length = DraftLength(initial=settings.draft_tokens, adaptive=settings.adaptive_draft)
     drafter: Drafter | None = None
     if settings.assistant == SELF_DRAFT:

@@ -30,6 +30,11 @@ class Settings(BaseSettings):
     int8_kernel: bool = Field(
         True, description="self-draft: this project's int8 kernel where the CPU has AVX2 + FMA (else torch's)"
     )
+    encoder_attention: Literal["auto", "onednn", "flash"] = Field(
+        "auto",
+        description="the encoder's self-attention in fp32 on a CPU: oneDNN products per head, torch's flash kernel,"
+        " or whichever runs faster on this CPU (timed once per worker)",
+    )
     log_level: str = Field("info", description="logging level of the server and worker")
     worker_heap_trim: bool = Field(True, description="return freed heap memory to the OS when the worker idles")
 

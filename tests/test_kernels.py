@@ -14,7 +14,15 @@ from torch import nn
 
 from app.engine.encoder import AudioEncoder
 from app.engine.features import N_FFT, N_SAMPLES, SAMPLE_RATE, log_mel, mel_filters, window
-from app.engine.kernels import PackedLinear, attention, linear_add, linear_gelu, pack_linears, packing_available
+from app.engine.kernels import (
+    PackedLinear,
+    attention,
+    linear_add,
+    linear_gelu,
+    pack_linears,
+    packing_available,
+    preferred_attention,
+)
 from app.engine.model import WhisperModel
 from app.engine.weights import WhisperDims
 
@@ -61,11 +69,19 @@ def test_packed_linear_and_fused_epilogues_match_torch() -> None:
 
 @needs_onednn
 @pytest.mark.parametrize("frames", [1500, 37])
-def test_blocked_attention_matches_sdpa(frames: int) -> None:
+def test_attention_kernels_match_sdpa(frames: int) -> None:
     torch.manual_seed(1)
     q, k, v = (torch.randn(2, 4, frames, 16) for _ in range(3))
     reference = F.scaled_dot_product_attention(q, k, v, scale=1.0).transpose(1, 2).reshape(2, frames, 64)
-    torch.testing.assert_close(attention(q, k, v), reference, rtol=1e-4, atol=1e-5)
+    onednn, flash = attention(q, k, v, "onednn"), attention(q, k, v, "flash")
+    torch.testing.assert_close(onednn, reference, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(flash, reference, rtol=1e-4, atol=1e-5)
+    # "auto" is the kernel timed faster here, to the bit, and stays so within the process.
+    chosen = preferred_attention(q)
+    assert torch.equal(attention(q, k, v), {"onednn": onednn, "flash": flash}[chosen])
+    assert preferred_attention(q) == chosen
+    # Elsewhere (half precision, GPU) only torch's kernel applies.
+    assert preferred_attention(q.half()) == "flash"
 
 
 def test_pack_linears_replaces_only_fp32_cpu_linears() -> None:

@@ -3,7 +3,8 @@
 The same function as transformers' `WhisperEncoder`, laid out for the kernels in
 `app.engine.kernels`: fused q/k/v projection (with the query scale folded into its weights,
 exact for Whisper's power-of-two head size), residual sums and the feed-forward activation
-fused into the products where the linears are packed, and per-head oneDNN attention on the CPU.
+fused into the products where the linears are packed, and the self-attention through whichever
+of oneDNN's per-head products and torch's flash kernel runs faster on this CPU.
 
 Shapes: B batch rows, M mel bins, F = 3000 mel frames, T = 1500 encoder frames, D width,
 H heads, Dh head size.
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from app.engine.kernels import attention, linear_add, linear_gelu
+from app.engine.kernels import AttentionKernel, attention, linear_add, linear_gelu
 from app.engine.weights import Tensors, WhisperDims, assign, fused, renamed
 
 # (this module's name, the transformers checkpoint's) of an encoder layer's plain Linears and norms
@@ -43,12 +44,12 @@ class EncoderLayer(nn.Module):
         self.fc1 = nn.Linear(d_model, ffn_dim)
         self.fc2 = nn.Linear(ffn_dim, d_model)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, attention_kernel: AttentionKernel = "auto") -> Tensor:
         """[B, T, D] -> [B, T, D]."""
         b, t, d = x.shape
         qkv = self.qkv(self.attn_norm(x)).view(b, t, 3, self.n_heads, d // self.n_heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, T, Dh]
-        x = linear_add(self.attn_out, attention(q, k, v), x)
+        x = linear_add(self.attn_out, attention(q, k, v, attention_kernel), x)
         x = linear_add(self.fc2, linear_gelu(self.fc1, self.ffn_norm(x)), x)
         if x.dtype == torch.float16:  # as transformers does, keep fp16 activations finite
             bound = torch.finfo(x.dtype).max - 1000
@@ -57,10 +58,14 @@ class EncoderLayer(nn.Module):
 
 
 class AudioEncoder(nn.Module):
-    """Log-mel [B, M, F] -> encoder states [B, T, D]."""
+    """Log-mel [B, M, F] -> encoder states [B, T, D].
+
+    `attention_kernel` picks the self-attention's kernel (`app.engine.kernels.attention`).
+    """
 
     def __init__(self, n_mels: int, d_model: int, n_heads: int, ffn_dim: int, n_layers: int, n_frames: int) -> None:
         super().__init__()
+        self.attention_kernel: AttentionKernel = "auto"
         self.conv1 = nn.Conv1d(n_mels, d_model, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(d_model, d_model, kernel_size=3, stride=2, padding=1)
         self.positions = nn.Parameter(torch.zeros(n_frames, d_model), requires_grad=False)
@@ -103,5 +108,5 @@ class AudioEncoder(nn.Module):
         x = F.gelu(self.conv2(x))
         x = x.transpose(1, 2) + self.positions
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, self.attention_kernel)
         return cast(Tensor, self.norm(x))

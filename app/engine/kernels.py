@@ -1,21 +1,24 @@
 """CPU kernels for fp32 models: oneDNN instead of torch's default GEMM and attention.
 
-On these machines torch's default fp32 GEMM (MKL) does not use the CPU's AVX-512 units and
+On the AMD machines torch's default fp32 GEMM (MKL) does not use the CPU's AVX-512 units and
 streams the weights of small-M products (decoding: 1 token, or a few verified drafts) at a
 fraction of the memory bandwidth, while oneDNN with each weight reordered once
 (`PackedLinear`) runs the encoder's projections about twice as fast and the decoder's steps
-up to four times as fast. The encoder's 1500x1500 self-attention also runs faster as plain
-oneDNN products per head than through torch's CPU flash-attention kernel (`attention`).
-The arithmetic is the same fp32 function; only the summation order inside the kernels
-differs, and both decoding modes run the very same kernels, so their outputs stay identical.
-Everywhere else (GPU, half precision, a torch without oneDNN) the same entry points fall
-back to torch's own ops.
+up to four times as fast. The encoder's 1500x1500 self-attention runs either as plain oneDNN
+products per head or through torch's CPU flash-attention kernel, whichever this CPU runs
+faster (`attention`: oneDNN on the AMD machines, flash on an Intel one). The arithmetic is the
+same fp32 function; only the summation order inside the kernels differs, and both decoding
+modes run the very same kernels, so their outputs stay identical. Everywhere else (GPU, half
+precision, a torch without oneDNN) the same entry points fall back to torch's own ops.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -112,17 +115,70 @@ def linear_add(linear: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
     return linear.add(x, residual) if isinstance(linear, PackedLinear) else residual + linear(x)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+AttentionKernel = Literal["auto", "onednn", "flash"]
+ATTENTION_KERNELS: tuple[AttentionKernel, ...] = ("auto", "onednn", "flash")
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, kernel: AttentionKernel = "auto") -> Tensor:
     """Unmasked attention softmax(q k^T) v with q already scaled: q, k, v [B, H, T, Dh] -> [B, T, H * Dh].
 
-    fp32 on a CPU with oneDNN: per row and head, blocks of query rows through oneDNN's products
-    (keys and transposed values made contiguous once: a strided "weight" sends oneDNN down a
-    path ~2000x slower). Elsewhere torch's `scaled_dot_product_attention`.
+    `kernel`: "onednn" (fp32 on a CPU with oneDNN, else flash), "flash" (torch's
+    `scaled_dot_product_attention`), or "auto": the one that ran this shape faster here
+    (`preferred_attention`). The two differ only in the order of their sums.
     """
+    if kernel == "auto":
+        kernel = preferred_attention(q)
+    if kernel == "onednn" and _onednn_attention_applies(q):
+        return _onednn_attention(q, k, v)
+    return _flash_attention(q, k, v)
+
+
+def preferred_attention(q: Tensor) -> Literal["onednn", "flash"]:
+    """The faster attention kernel for queries shaped like `q` [B, H, T, Dh] on this machine.
+
+    Timed once per process, shape, dtype and thread count (on one row and at most two heads:
+    both kernels' cost grows linearly in them); flash must beat oneDNN by 10% to be chosen, so
+    that a noisy timing does not flip a close call.
+    """
+    if not _onednn_attention_applies(q):
+        return "flash"
+    _, h, t, dh = q.shape
+    return _timed_choice(min(h, 2), t, dh, torch.get_num_threads())
+
+
+@functools.cache
+def _timed_choice(heads: int, frames: int, head_dim: int, threads: int) -> Literal["onednn", "flash"]:
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, frames, head_dim, generator=generator) for _ in range(3))
+    candidates: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
+        "onednn": _onednn_attention,
+        "flash": _flash_attention,
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in candidates}
+    with torch.inference_mode():
+        for rep in range(4):  # the first round warms both up and is not counted
+            for name, kernel in candidates.items():
+                start = time.perf_counter()
+                kernel(q, k, v)
+                if rep:
+                    seconds[name].append(time.perf_counter() - start)
+    return "flash" if statistics.median(seconds["flash"]) < 0.9 * statistics.median(seconds["onednn"]) else "onednn"
+
+
+def _onednn_attention_applies(q: Tensor) -> bool:
+    return q.device.type == "cpu" and q.dtype == torch.float32 and packing_available()
+
+
+def _flash_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     b, h, t, dh = q.shape
-    if not (q.device.type == "cpu" and q.dtype == torch.float32 and packing_available()):
-        out = F.scaled_dot_product_attention(q, k, v, scale=1.0)
-        return out.transpose(1, 2).reshape(b, t, h * dh)
+    out = F.scaled_dot_product_attention(q, k, v, scale=1.0)
+    return out.transpose(1, 2).reshape(b, t, h * dh)
+
+
+def _onednn_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Per row and head, blocks of query rows through oneDNN's products (keys and transposed
+    values made contiguous once: a strided "weight" sends oneDNN down a path ~2000x slower)."""
+    b, h, t, dh = q.shape
     product = torch.ops.mkldnn._linear_pointwise
     keys = k.contiguous()
     values_t = v.transpose(-1, -2).contiguous()  # [B, H, Dh, T]
