@@ -15,6 +15,7 @@ from torch import nn
 from app.engine.encoder import AudioEncoder
 from app.engine.features import N_FFT, N_SAMPLES, SAMPLE_RATE, log_mel, mel_filters, window
 from app.engine.kernels import (
+    ATTENTION_KERNELS,
     PackedLinear,
     attention,
     linear_add,
@@ -100,21 +101,28 @@ def speech_features(clip: Callable[[str], np.ndarray]) -> torch.Tensor:
 
 
 def test_encoder_matches_transformers(base: WhisperModel, base_dir: Path, speech_features: torch.Tensor) -> None:
-    """The engine's encoder (packed kernels where available) and its plain twin give transformers' states."""
+    """The engine's encoder (packed kernels where available, with either attention kernel) and its
+    plain twin give transformers' states."""
     from transformers import WhisperForConditionalGeneration
 
     hf = WhisperForConditionalGeneration.from_pretrained(base_dir, dtype=torch.float32).eval()
     plain = AudioEncoder.from_weights(WhisperDims.from_config(hf.config.to_dict()), hf.state_dict())
     torch.manual_seed(2)
     features = torch.cat([speech_features, torch.randn(1, 80, 3000) * 0.3])
-    with torch.inference_mode():
-        reference = hf.model.encoder(features).last_hidden_state
-        engine = base.encode(features)
-        unpacked = plain(features)
     assert base.encoder is not None
+    engine = []
+    try:
+        with torch.inference_mode():
+            reference = hf.model.encoder(features).last_hidden_state
+            for kernel in ATTENTION_KERNELS:
+                base.encoder.attention_kernel = kernel
+                engine.append(base.encode(features))
+            unpacked = plain(features)
+    finally:
+        base.encoder.attention_kernel = "auto"
     assert any(isinstance(m, PackedLinear) for m in base.encoder.modules()) == packing_available()
     # fp32 rounding only: the states reach ~10-30 in magnitude.
-    for mine in (engine, unpacked):
+    for mine in (*engine, unpacked):
         torch.testing.assert_close(mine, reference, rtol=1e-4, atol=3e-3)
     with pytest.raises(ValueError, match="3000 mel frames"):
         plain(features[..., :2000])
