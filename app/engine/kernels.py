@@ -15,6 +15,7 @@ precision, a torch without oneDNN) the same entry points fall back to torch's ow
 from __future__ import annotations
 
 import functools
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -23,6 +24,8 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
 
 # Query rows per attention block on the CPU: a block's scores (rows x T fp32) stay near the
 # cache. 750 rows of 1500 keys (4.5 MB) ran 20% faster than whole heads on 2 cores.
@@ -162,7 +165,13 @@ def _timed_choice(heads: int, frames: int, head_dim: int, threads: int) -> Liter
                 kernel(q, k, v)
                 if rep:
                     seconds[name].append(time.perf_counter() - start)
-    return "flash" if statistics.median(seconds["flash"]) < 0.9 * statistics.median(seconds["onednn"]) else "onednn"
+    flash, onednn = (statistics.median(seconds[name]) for name in ("flash", "onednn"))
+    choice: Literal["onednn", "flash"] = "flash" if flash < 0.9 * onednn else "onednn"
+    log.info(
+        "attention over %d frames: %s (%d heads: flash %.1f ms, oneDNN %.1f ms)",
+        frames, choice, heads, flash * 1000, onednn * 1000,
+    )  # fmt: skip
+    return choice
 
 
 def _onednn_attention_applies(q: Tensor) -> bool:
