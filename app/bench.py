@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import platform
 import resource
 import time
 from collections import defaultdict
@@ -208,6 +210,7 @@ def run_bench(
             for run, result in zip(runs, results, strict=True):
                 run.baselines[name] = result
     report = _summary(runs)
+    report["machine"] = machine(engine)
     report["peak_rss_mb"] = {"bench_process": _peak_rss_mb()}
     if settings is not None and rss_split:
         report["peak_rss_mb"].update(peak_rss_by_mode(settings, manifest, entries, max(batches, default=1)))
@@ -229,6 +232,45 @@ def run_bench(
     ]
     report["batches"] = batch_report
     return report
+
+
+def machine(engine: Engine) -> dict[str, Any]:
+    """What the figures were measured on: the CPU, torch and its threads, and the kernels the engine chose."""
+    from app.engine.int8 import Int8Linear, kernel_isa
+    from app.engine.kernels import preferred_attention
+
+    main = engine.main
+    info: dict[str, Any] = {
+        "cpu": _cpu_name(),
+        "logical_cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "device": str(main.device),
+        "dtype": str(main.dtype).removeprefix("torch."),
+        "model": main.name,
+        "assistant": engine.drafter.name if engine.drafter is not None else None,
+    }
+    drafter_decoder = getattr(engine.drafter, "decoder", None)
+    on_kernel = drafter_decoder is not None and any(isinstance(m, Int8Linear) for m in drafter_decoder.modules())
+    info["int8_kernel"] = kernel_isa() if on_kernel else None
+    if main.encoder is not None:
+        kernel = main.encoder.attention_kernel
+        if kernel == "auto":  # what the encoder's runs chose (timed then, looked up now)
+            enc = main.encoder
+            queries = torch.empty(1, enc.n_heads, enc.n_frames, enc.d_model // enc.n_heads)
+            kernel = preferred_attention(queries.to(main.device, main.dtype))
+        info["encoder_attention"] = kernel
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _references(settings: Settings, kind: str, manifest: Path, entries: list[dict]) -> dict[str, list[RunResult]]:

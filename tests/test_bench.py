@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from app.bench import select_clips
+from app.engine.int8 import cpu_runs_kernel, kernel_isa
 
 
 def test_bench_reports_identical_tokens_and_ratios(benchdata: Path, tmp_path: Path) -> None:
@@ -59,6 +60,12 @@ def test_bench_reports_identical_tokens_and_ratios(benchdata: Path, tmp_path: Pa
     assert report["e2e_ceiling"] > 1 and report["batches"]["2"]["throughput_ceiling"] > 1
     assert report["batches"]["2"]["decode_ratio"] > 0
     assert set(report["languages"]) <= {"en", "es"}
+    # What it ran on, so that figures from different machines can be told apart.
+    machine = report["machine"]
+    assert machine["model"] == "whisper-base" and machine["assistant"].startswith("self-draft")
+    assert machine["threads"] >= 1 and machine["cpu"] and machine["dtype"] == "float32"
+    assert machine["encoder_attention"] in ("onednn", "flash")
+    assert machine["int8_kernel"] == (kernel_isa() if cpu_runs_kernel() else None)
     rss = report["peak_rss_mb"]  # each mode in its own process: the assistant's own footprint
     assert rss["main_only"] > 100 and rss["assistant_share"] == pytest.approx(
         (rss["speculative"] - rss["main_only"]) / rss["main_only"]

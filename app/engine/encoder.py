@@ -65,6 +65,7 @@ class AudioEncoder(nn.Module):
 
     def __init__(self, n_mels: int, d_model: int, n_heads: int, ffn_dim: int, n_layers: int, n_frames: int) -> None:
         super().__init__()
+        self.n_heads = n_heads
         self.attention_kernel: AttentionKernel = "auto"
         self.conv1 = nn.Conv1d(n_mels, d_model, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(d_model, d_model, kernel_size=3, stride=2, padding=1)
@@ -75,6 +76,10 @@ class AudioEncoder(nn.Module):
     @property
     def n_frames(self) -> int:
         return self.positions.shape[0]
+
+    @property
+    def d_model(self) -> int:
+        return self.positions.shape[1]
 
     @classmethod
     def from_weights(cls, dims: WhisperDims, tensors: Tensors) -> AudioEncoder:
