@@ -237,7 +237,6 @@ def run_bench(
 def machine(engine: Engine) -> dict[str, Any]:
     """What the figures were measured on: the CPU, torch and its threads, and the kernels the engine chose."""
     from app.engine.int8 import Int8Linear, kernel_isa
-    from app.engine.kernels import preferred_attention
 
     main = engine.main
     info: dict[str, Any] = {
@@ -254,12 +253,7 @@ def machine(engine: Engine) -> dict[str, Any]:
     on_kernel = drafter_decoder is not None and any(isinstance(m, Int8Linear) for m in drafter_decoder.modules())
     info["int8_kernel"] = kernel_isa() if on_kernel else None
     if main.encoder is not None:
-        kernel = main.encoder.attention_kernel
-        if kernel == "auto":  # what the encoder's runs chose (timed then, looked up now)
-            enc = main.encoder
-            queries = torch.empty(1, enc.n_heads, enc.n_frames, enc.d_model // enc.n_heads)
-            kernel = preferred_attention(queries.to(main.device, main.dtype))
-        info["encoder_attention"] = kernel
+        info["encoder_attention"] = main.encoder.attention_in_use()
     return info
 
 

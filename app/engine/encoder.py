@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from app.engine.kernels import AttentionKernel, attention, linear_add, linear_gelu
+from app.engine.kernels import AttentionKernel, attention, linear_add, linear_gelu, preferred_attention
 from app.engine.weights import Tensors, WhisperDims, assign, fused, renamed
 
 # (this module's name, the transformers checkpoint's) of an encoder layer's plain Linears and norms
@@ -77,9 +77,12 @@ class AudioEncoder(nn.Module):
     def n_frames(self) -> int:
         return self.positions.shape[0]
 
-    @property
-    def d_model(self) -> int:
-        return self.positions.shape[1]
+    def attention_in_use(self) -> str:
+        """The self-attention kernel this encoder runs ("onednn" or "flash"; for "auto", the one
+        timed faster when it first ran, or timed now if it has not run)."""
+        heads, d_model = self.n_heads, self.positions.shape[1]
+        queries = self.positions.new_empty(1, heads, self.n_frames, d_model // heads)
+        return preferred_attention(queries, self.attention_kernel)
 
     @classmethod
     def from_weights(cls, dims: WhisperDims, tensors: Tensors) -> AudioEncoder:

@@ -129,22 +129,23 @@ def attention(q: Tensor, k: Tensor, v: Tensor, kernel: AttentionKernel = "auto")
     `scaled_dot_product_attention`), or "auto": the one that ran this shape faster here
     (`preferred_attention`). The two differ only in the order of their sums.
     """
-    if kernel == "auto":
-        kernel = preferred_attention(q)
-    if kernel == "onednn" and _onednn_attention_applies(q):
+    if preferred_attention(q, kernel) == "onednn":
         return _onednn_attention(q, k, v)
     return _flash_attention(q, k, v)
 
 
-def preferred_attention(q: Tensor) -> Literal["onednn", "flash"]:
-    """The faster attention kernel for queries shaped like `q` [B, H, T, Dh] on this machine.
+def preferred_attention(q: Tensor, kernel: AttentionKernel = "auto") -> Literal["onednn", "flash"]:
+    """The kernel `attention` runs for queries shaped like `q` [B, H, T, Dh] when asked for `kernel`.
 
-    Timed once per process, shape, dtype and thread count (on one row and at most two heads:
-    both kernels' cost grows linearly in them); flash must beat oneDNN by 10% to be chosen, so
-    that a noisy timing does not flip a close call.
+    flash wherever oneDNN's does not apply (GPU, half precision, a torch without oneDNN); for
+    "auto", the faster one on this machine: timed once per process, shape, dtype and thread count
+    (on one row and at most two heads: both kernels' cost grows linearly in them), and flash must
+    beat oneDNN by 10% to be chosen, so that a noisy timing does not flip a close call.
     """
     if not _onednn_attention_applies(q):
         return "flash"
+    if kernel != "auto":
+        return kernel
     _, h, t, dh = q.shape
     return _timed_choice(min(h, 2), t, dh, torch.get_num_threads())
 
