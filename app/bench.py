@@ -73,12 +73,18 @@ class ClipRun:
 def _peak_rss_mb() -> float:
     """This process's peak resident set (MB). VmHWM, unlike ru_maxrss, is not inherited across exec,
     so a spawned child reports its own peak."""
+    peak = _status_mb("VmHWM")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if peak is None else peak
+
+
+def _status_mb(field: str) -> float | None:
+    """A memory field of /proc/self/status in MB (None where there is no such file)."""
     status = Path("/proc/self/status")
     if status.is_file():
         for line in status.read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return None
 
 
 def error_rate(pairs: Sequence[tuple[str, str, str]]) -> float:
@@ -253,6 +259,7 @@ def machine(engine: Engine) -> dict[str, Any]:
     on_kernel = drafter_decoder is not None and any(isinstance(m, Int8Linear) for m in drafter_decoder.modules())
     info["int8_kernel"] = kernel_isa() if on_kernel else None
     if main.encoder is not None:
+        info["encoder_dtype"] = str(main.encoder.dtype).removeprefix("torch.")
         info["encoder_attention"] = main.encoder.attention_in_use()
     return info
 
@@ -303,16 +310,21 @@ def _reset_peak_rss() -> bool:
     return True
 
 
-def _mode_peak_rss(settings: Settings, paths: list[Path], languages: list[str], batch: int) -> tuple[float, float]:
+def _mode_peak_rss(
+    settings: Settings, paths: list[Path], languages: list[str], batch: int
+) -> tuple[float, float, float]:
     """In a fresh process: build the engine, transcribe each clip, then the first batch.
 
     Returns the peak RSS (MB) over the process's life and while serving (from the end of loading
-    on). Loading holds transient copies that can exceed what decoding ever needs, and then both
-    modes' lifetime peaks are the same load peak; the serving peak shows what each mode keeps.
+    on), and the RSS once loaded. Loading holds transient copies that can exceed what decoding ever
+    needs, and then both modes' lifetime peaks are the same load peak; the serving peak shows what
+    each mode keeps, plus decoding's transient buffers, whose peak varies by tens of MB from run to
+    run; the RSS once loaded is what each mode holds resident, steady to 0.1 MB between runs.
     """
     from app.runtime import build_engine
 
     engine = build_engine(settings, progress=False)
+    loaded = _status_mb("VmRSS") or float("nan")
     load_peak = _peak_rss_mb()
     separate = _reset_peak_rss()
     use = settings.assistant != NO_ASSISTANT
@@ -321,13 +333,14 @@ def _mode_peak_rss(settings: Settings, paths: list[Path], languages: list[str], 
         engine.transcribe([clip], [DecodingOptions(language=language, use_assistant=use)])
     engine.transcribe(clips[:batch], [DecodingOptions(language=lang, use_assistant=use) for lang in languages[:batch]])
     serving = _peak_rss_mb()
-    return max(load_peak, serving), serving if separate else float("nan")
+    return max(load_peak, serving), serving if separate else float("nan"), loaded
 
 
 def peak_rss_by_mode(settings: Settings, manifest: Path, entries: list[dict], batch: int) -> dict[str, float]:
     """Peak RSS of a main-only engine and of the speculative engine, each in its own child process,
     over the longest clip alone and the first `batch` clips together, over the process's life and
-    while serving (`*_serving`, NaN where the peak cannot be reset); and the assistant's shares."""
+    while serving (`*_serving`, NaN where the peak cannot be reset); the RSS once loaded
+    (`*_loaded`); and the assistant's shares."""
     longest = max(entries, key=lambda e: e["duration_s"])
     chosen = [longest, *[e for e in entries[:batch] if e is not longest]][: max(batch, 1)]
     paths = [manifest.parent / e["audio"] for e in chosen]
@@ -337,12 +350,13 @@ def peak_rss_by_mode(settings: Settings, manifest: Path, entries: list[dict], ba
     context = multiprocessing.get_context("spawn")
     for name, mode_settings in modes.items():
         with context.Pool(1) as pool:
-            out[name], out[f"{name}_serving"] = pool.apply(_mode_peak_rss, (mode_settings, paths, languages, batch))
+            peaks = pool.apply(_mode_peak_rss, (mode_settings, paths, languages, batch))
+            out[name], out[f"{name}_serving"], out[f"{name}_loaded"] = peaks
     if settings.assistant != NO_ASSISTANT:
         out["assistant_share"] = (out["speculative"] - out["main_only"]) / out["main_only"]
-        out["assistant_share_serving"] = (out["speculative_serving"] - out["main_only_serving"]) / out[
-            "main_only_serving"
-        ]
+        for kind in ("serving", "loaded"):
+            main_only = out[f"main_only_{kind}"]
+            out[f"assistant_share_{kind}"] = (out[f"speculative_{kind}"] - main_only) / main_only
     return out
 
 

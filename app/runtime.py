@@ -23,7 +23,8 @@ def build_engine(settings: Settings, *, progress: bool = True) -> Engine:
     store = ModelStore(settings.models_dir)
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
-    main = load_model(settings.model, store, device=device, dtype=dtype, progress=progress)
+    encoder_dtype = dtype if settings.encoder_dtype == "auto" else resolve_dtype(settings.encoder_dtype, device)
+    main = load_model(settings.model, store, device=device, dtype=dtype, encoder_dtype=encoder_dtype, progress=progress)
     if main.encoder is not None:
         main.encoder.attention_kernel = settings.encoder_attention
     length = DraftLength(initial=settings.draft_tokens, adaptive=settings.adaptive_draft)

@@ -70,10 +70,14 @@ def test_bench_reports_identical_tokens_and_ratios(benchdata: Path, tmp_path: Pa
     assert rss["main_only"] > 100 and rss["assistant_share"] == pytest.approx(
         (rss["speculative"] - rss["main_only"]) / rss["main_only"]
     )
-    # Loading's transient copies may set both lifetime peaks; while serving, the draft's int8
-    # weights (~50 MB for base) are resident in the speculative process only.
-    assert rss["main_only_serving"] > 100 and rss["speculative_serving"] > rss["main_only_serving"] + 20
-    assert rss["assistant_share_serving"] > 0
+    # Loading's transient copies may set both lifetime peaks, and decoding's transient buffers move the
+    # serving peaks by tens of MB between runs; once loaded, the draft's int8 weights (~50 MB for base)
+    # are resident in the speculative process only.
+    assert rss["main_only_serving"] > 100 and rss["speculative_serving"] > 100
+    assert rss["main_only_loaded"] > 100 and rss["speculative_loaded"] > rss["main_only_loaded"] + 20
+    assert rss["assistant_share_serving"] == pytest.approx(
+        (rss["speculative_serving"] - rss["main_only_serving"]) / rss["main_only_serving"]
+    )
 
 
 def test_clip_selection_by_language_subset_and_length(benchdata: Path) -> None:

@@ -44,6 +44,20 @@ def test_transcribe_json_speculative_and_plain_agree(benchdata: Path) -> None:
     assert spec_rows[1]["language"] == "es"
 
 
+def test_half_precision_flags(benchdata: Path) -> None:
+    """--dtype bfloat16 (the whole model, with the default int8 self-draft) and --encoder-dtype bfloat16 (the
+    encoder alone) both transcribe speculatively; a bad choice is refused by name."""
+    jfk = str(benchdata / "audio/whisper/jfk.wav")
+    for flags in (["--dtype", "bfloat16"], ["--encoder-dtype", "bfloat16"]):
+        out = _run("transcribe", jfk, "--language", "en", "--format", "json", *flags)
+        assert out.returncode == 0, out.stderr
+        row = json.loads(out.stdout)
+        assert "ask not what your country can do for you" in row["text"].lower(), flags
+        assert row["metrics"]["draft_accepted"] > 0, flags
+    bad = _run("transcribe", jfk, "--encoder-dtype", "int4")
+    assert bad.returncode == 2 and "invalid choice: 'int4'" in bad.stderr
+
+
 def test_text_format_and_errors(benchdata: Path, tmp_path: Path) -> None:
     bad = tmp_path / "bad.wav"
     bad.write_bytes(b"RIFF\x00\x00\x00\x00WAVEjunk")

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from app.bench import error_rate
 from app.engine.assistant import model_draft, self_draft
 from app.engine.batch import DecoderState, Row
 from app.engine.draft import DecoderDrafter, Drafter, DraftInputs, Drafts, DraftSession
-from app.engine.interface import DecodingOptions
+from app.engine.interface import DecodingOptions, Transcription
 from app.engine.model import WhisperModel
 from app.engine.transcriber import Engine
 from app.store.catalog import ModelStore
@@ -216,3 +217,59 @@ def test_weak_self_drafts_adopting_a_long_prompt_are_exact(base: WhisperModel, c
     batched = engine.transcribe(audio, options)  # one batch: rows with prompts of different lengths
     assert [r.tokens for r in batched] == reference
     assert all(r.metrics.draft_proposed > r.metrics.draft_accepted for r in batched)  # rejections happened
+
+
+Runs = dict[bool, list[Transcription]]
+
+
+def _modes_alone_and_batched(
+    main: WhisperModel, drafter: Drafter, audio: list[np.ndarray], options: list[DecodingOptions]
+) -> tuple[Runs, Runs]:
+    """Each clip through main-only (False) and speculative (True) decoding, one by one and as one batch."""
+    engines = {use: Engine(main, drafter if use else None) for use in (False, True)}
+    alone = {
+        use: [e.transcribe([a], [o])[0] for a, o in zip(audio, options, strict=True)] for use, e in engines.items()
+    }
+    return alone, {use: e.transcribe(audio, options) for use, e in engines.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_main_model_drafts_with_an_fp32_self_draft(
+    dtype: torch.dtype, store: ModelStore, clip: Callable
+) -> None:
+    """`dtype=bfloat16` (or float16) on a CPU: the int8 self-draft computes in fp32, reading the main model's
+    half-precision keys/values, alone, batched and after adopting a prompt's cache. In half precision the main
+    model's rounding depends on how many tokens a pass feeds, so a near-tie may go either way between the modes
+    (docs/engine.md): the texts must agree, not every token."""
+    main = load_model("whisper-base", store, dtype=dtype, progress=False)
+    drafter = self_draft(main)
+    assert main.decoder.dtype == dtype and drafter.decoder.dtype == torch.float32
+    audio = [clip(c) for c in FEW]
+    options = [DecodingOptions(language=CLIPS[c]) for c in FEW]
+    options[1] = DecodingOptions(language="en", prompt=LONG_PROMPT)  # the draft adopts the main's cache
+    alone, batched = _modes_alone_and_batched(main, drafter, audio, options)
+    assert "ask not what your country can do for you" in alone[True][0].text.lower()
+    for runs in (alone, batched):
+        for plain, spec, o in zip(runs[False], runs[True], options, strict=True):
+            assert error_rate([(plain.text, spec.text, o.language or "en")]) <= 0.05, (plain.text, spec.text)
+        spec_runs = runs[True]
+        assert all(r.metrics.speculative for r in spec_runs)
+        acceptance = sum(r.metrics.draft_accepted for r in spec_runs) / sum(r.metrics.draft_proposed for r in spec_runs)
+        assert acceptance > 0.5, acceptance  # the fp32 draft agrees with the half-precision main model
+
+
+def test_a_bfloat16_encoder_feeds_fp32_decoders_exactly(store: ModelStore, clip: Callable) -> None:
+    """`encoder_dtype=bfloat16`: the encoder alone runs in bfloat16 (AMX CPUs run it several times faster) and its
+    states reach the fp32 decoders as fp32; both modes read the same states, so the output is main-only's to the
+    token, alone and batched."""
+    main = load_model("whisper-base", store, encoder_dtype=torch.bfloat16, progress=False)
+    assert main.encoder is not None and main.encoder.dtype == torch.bfloat16
+    assert main.dtype == main.decoder.dtype == torch.float32
+    assert main.encode(torch.zeros(1, main.n_mels, 3000)).dtype == torch.float32
+    audio = [clip(c) for c in FEW]
+    options = [DecodingOptions(language=CLIPS[c]) for c in FEW]
+    alone, batched = _modes_alone_and_batched(main, self_draft(main), audio, options)
+    assert "ask not what your country can do for you" in alone[False][0].text.lower()
+    for runs in (alone, batched):
+        assert [r.tokens for r in runs[True]] == [r.tokens for r in runs[False]]
+        assert all(r.metrics.speculative and r.metrics.draft_accepted > 0 for r in runs[True])

@@ -22,6 +22,8 @@ def _settings(args: argparse.Namespace) -> Settings:
             "assistant": args.assistant,
             "models_dir": args.models_dir,
             "device": args.device,
+            "dtype": args.dtype,
+            "encoder_dtype": args.encoder_dtype,
             "threads": args.threads,
             "draft_tokens": getattr(args, "draft_tokens", None),
         }.items()
@@ -35,6 +37,16 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--assistant", help="'self-draft' (default), 'none', or a model reference")
     parser.add_argument("--models-dir", type=Path, help="model store folder (default: ./models)")
     parser.add_argument("--device", help="auto, cpu, cuda, cuda:N")
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="the models' dtype (auto: float16 on a GPU, float32 on a CPU)",
+    )
+    parser.add_argument(
+        "--encoder-dtype",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="the main encoder's own dtype (auto: as --dtype; bfloat16 pays on CPUs with AMX)",
+    )
     parser.add_argument("--threads", type=int, help="torch threads")
 
 

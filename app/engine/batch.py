@@ -53,8 +53,8 @@ class DecoderState:
     @classmethod
     def start(cls, decoder: TextDecoder, cross: CrossKV, batch: int, capacity: int | None = None) -> DecoderState:
         """An empty cache for `batch` rows of at most `capacity` tokens (None: the decoder's limit)."""
-        ref = cross.keys[0]
-        return cls(decoder, decoder.new_cache(batch, ref.dtype, ref.device, capacity), cross, [0] * batch)
+        device = cross.keys[0].device
+        return cls(decoder, decoder.new_cache(batch, decoder.dtype, device, capacity), cross, [0] * batch)
 
     def feed(self, rows: Sequence[Sequence[int]], capture: list[Tensor] | None = None) -> tuple[Tensor, RaggedFeed]:
         """Append `rows` after what each row holds; returns hidden states [B, S, D] and the feed.

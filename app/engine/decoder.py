@@ -136,6 +136,20 @@ class DecoderLayer(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ffn_norm(x))))
 
 
+def _draft_twin(module: nn.Module | None, kernel: bool) -> nn.Module | None:
+    """A drafting copy's version of one of a layer's modules: int8 for products, fp32 for norms."""
+    if isinstance(module, nn.Linear | PackedLinear):
+        return int8_twin(module, kernel)
+    if isinstance(module, nn.LayerNorm):
+        return _fp32_norm(module)
+    return module
+
+
+def _fp32_norm(norm: nn.LayerNorm) -> nn.LayerNorm:
+    """`norm` itself when fp32, else an fp32 copy (a drafting copy computes in fp32)."""
+    return norm if norm.weight.dtype == torch.float32 else copy.deepcopy(norm).float()
+
+
 class TextDecoder(nn.Module):
     """Whisper's text decoder: token + position embeddings, N layers, final norm, vocabulary projection."""
 
@@ -163,6 +177,11 @@ class TextDecoder(nn.Module):
     @property
     def vocab_size(self) -> int:
         return self.embed.num_embeddings
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of its activations and self-attention cache (fp32 for an int8 drafting copy)."""
+        return self.positions.dtype
 
     @classmethod
     def from_weights(cls, dims: WhisperDims, tensors: Tensors) -> TextDecoder:
@@ -196,7 +215,8 @@ class TextDecoder(nn.Module):
         return dec.eval()
 
     def quantized_copy(self, kernel: bool = True) -> TextDecoder:
-        """An int8 copy for drafting; shares the embeddings and norms with `self`.
+        """An int8 copy for drafting that computes in fp32; shares the embeddings with `self` (and, when `self`
+        is fp32, its norms and position table).
 
         kernel: use this project's int8 kernel where the CPU runs it (`app.engine.int8`), else torch's.
 
@@ -210,13 +230,14 @@ class TextDecoder(nn.Module):
         layers = []
         for layer in cast(list[DecoderLayer], list(self.layers)):
             twin = copy.copy(layer)
-            twin._modules = {
-                name: int8_twin(child, kernel) if isinstance(child, nn.Linear | PackedLinear) else child
-                for name, child in layer._modules.items()
-            }
+            twin._modules = {name: _draft_twin(child, kernel) for name, child in layer._modules.items()}
             layers.append(twin)
         draft.layers = nn.ModuleList(layers)
         draft.proj = int8_twin(cast(nn.Linear | PackedLinear, self.proj), kernel)
+        # int8 products take and give fp32: a half-precision decoder's copy gets fp32 copies of its position
+        # table and norms (a few hundred KB for Whisper base) and casts the embeddings it looks up.
+        draft.norm = _fp32_norm(self.norm)
+        draft.positions = nn.Parameter(self.positions.detach().float(), requires_grad=False)
         draft.token_step = Int8DraftStack.build(draft)
         return draft.eval()
 
@@ -252,7 +273,7 @@ class TextDecoder(nn.Module):
         Padding is written to the cache's scratch slot and attends like the row's last real token.
         """
         b, s = tokens.shape
-        x = self.embed(tokens) + self.positions[positions]
+        x = self.embed(tokens).to(self.dtype) + self.positions[positions]
         write = torch.where(real, positions, torch.full_like(positions, cache.scratch))
         if self.token_step is not None and capture is None and (s == 1 or (b == 1 and s <= LONE_ROW_MAX_FEED)):
             # One token per row (draft steps), or a few for a lone row (the first draft step after a

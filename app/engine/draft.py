@@ -230,11 +230,15 @@ class DecoderDrafter:
         if self.audio_margin is not None and inputs.audio_frames is not None:
             frames = min(frames, inputs.audio_frames + self.audio_margin)
         if self.cross == "main-cross":
-            cross = inputs.main_cross
-            if frames < inputs.encoder_out.shape[1]:  # views: a copy would cost memory and time, not speed
-                cross = CrossKV([k[:, :, :frames] for k in cross.keys], [v[:, :, :frames] for v in cross.values])
+            # Views: a copy would cost memory and time, not speed. A half-precision main model's keys and
+            # values are copied (only those frames) for the fp32 int8 draft (`TextDecoder.quantized_copy`).
+            dtype = self.decoder.dtype
+            cross = CrossKV(
+                [k[:, :, :frames].to(dtype) for k in inputs.main_cross.keys],
+                [v[:, :, :frames].to(dtype) for v in inputs.main_cross.values],
+            )
         elif self.cross == "main-encoder":
-            cross = self.decoder.cross_kv(inputs.encoder_out[:, :frames].to(self.decoder.positions.dtype))
+            cross = self.decoder.cross_kv(inputs.encoder_out[:, :frames].to(self.decoder.dtype))
         else:
             assert self.encoder_model is not None
             cross = self.decoder.cross_kv(self.encoder_model.encode(inputs.features))

@@ -77,6 +77,10 @@ class AudioEncoder(nn.Module):
     def n_frames(self) -> int:
         return self.positions.shape[0]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.positions.dtype
+
     def attention_in_use(self) -> str:
         """The self-attention kernel this encoder runs ("onednn" or "flash"; for "auto", the one
         timed faster when it first ran, or timed now if it has not run)."""

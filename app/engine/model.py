@@ -44,10 +44,14 @@ class WhisperModel:
 
     @torch.inference_mode()
     def encode(self, features: Tensor) -> Tensor:
-        """Log-mel features [B, n_mels, 3000] -> encoder states [B, 1500, D]."""
+        """Log-mel features [B, n_mels, 3000] -> encoder states [B, 1500, D] in the decoder's dtype.
+
+        The encoder may run in a dtype of its own (`load_model(encoder_dtype=...)`).
+        """
         if self.encoder is None:
             raise RuntimeError(f"{self.name} has no encoder (decoder-only assistant)")
-        return cast(Tensor, self.encoder(features.to(self.device, self.dtype)))
+        states = self.encoder(features.to(self.device, self.encoder.dtype))
+        return cast(Tensor, states.to(self.decoder.dtype))
 
     def logit_rules(self, timestamps: bool = False) -> LogitRules:
         """Whisper's suppression rules for this vocabulary (timestamp rules come with timestamp mode)."""

@@ -150,11 +150,20 @@ class CheckpointTensors(Mapping[str, Tensor]):
 
     Names are those of `WhisperForConditionalGeneration` / `WhisperForCausalLM` (`model.encoder.*`,
     `model.decoder.*`, `proj_out.weight`); a bare `WhisperModel`'s (`encoder.*`, `decoder.*`) are
-    read under the same names. Use as a context manager: it holds the files open.
+    read under the same names. `dtype_under` casts the floating tensors under a name prefix to
+    another dtype (`{"model.encoder.": torch.bfloat16}`). Use as a context manager: it holds the files open.
     """
 
-    def __init__(self, ref: str, *, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        ref: str,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        dtype_under: Mapping[str, torch.dtype] | None = None,
+    ) -> None:
         self.ref, self.device, self.dtype = ref, device, dtype
+        self.dtype_under = dict(dtype_under or {})
         self._files = ExitStack()
         self._where: dict[str, tuple[Any, str]] = {}  # name -> (open file, name in that file)
         self._read: set[str] = set()
@@ -195,8 +204,13 @@ class CheckpointTensors(Mapping[str, Tensor]):
         # Both formats hand out views of a private memory map of the file: always copy, so that no
         # parameter stays backed by a file that may be rewritten while the model runs.
         tensor = source[key] if isinstance(source, dict) else source.get_tensor(key)
-        dtype = self.dtype if tensor.is_floating_point() else tensor.dtype
-        return tensor.to(device=self.device, dtype=dtype, copy=True)
+        return tensor.to(device=self.device, dtype=self.dtype_of(name, tensor), copy=True)
+
+    def dtype_of(self, name: str, tensor: Tensor) -> torch.dtype:
+        """The dtype `name` is read as: its own unless floating point, else the one set for its prefix."""
+        if not tensor.is_floating_point():
+            return tensor.dtype
+        return next((d for prefix, d in self.dtype_under.items() if name.startswith(prefix)), self.dtype)
 
     def __contains__(self, name: object) -> bool:  # without reading the tensor, as Mapping's would
         return name in self._where

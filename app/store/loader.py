@@ -70,10 +70,14 @@ def load_model(
     *,
     device: torch.device | None = None,
     dtype: torch.dtype = torch.float32,
+    encoder_dtype: torch.dtype | None = None,
     keep_encoder: bool = True,
     progress: bool = True,
 ) -> WhisperModel:
-    """Load `ref` (see `ModelStore.resolve`) as an engine model on `device`."""
+    """Load `ref` (see `ModelStore.resolve`) as an engine model on `device`.
+
+    encoder_dtype: the encoder's own dtype (None: `dtype`); its states reach the decoder in `dtype`.
+    """
     device = device or torch.device("cpu")
     path = store.resolve(ref, progress=progress)
     try:
@@ -90,7 +94,8 @@ def load_model(
     except ValueError as exc:
         raise CheckpointError(f"{path}: {exc}") from exc
     encoder: AudioEncoder | None = None
-    with CheckpointTensors(path, device=device, dtype=dtype) as tensors:
+    dtype_under = {"model.encoder.": encoder_dtype} if encoder_dtype is not None else None
+    with CheckpointTensors(path, device=device, dtype=dtype, dtype_under=dtype_under) as tensors:
         try:
             if not dims.decoder_only and keep_encoder:
                 encoder = AudioEncoder.from_weights(dims, tensors)
@@ -111,7 +116,8 @@ def load_model(
         raise CheckpointError(f"{path}: no tokenizer.json")
     tokenizer = WhisperTokenizer.from_file(tokenizer_file, vocab_size=dims.vocab_size)
     name = Path(path).name if Path(path).is_dir() else ref
-    log.info("loaded %s from %s (%s, %s)", name, path, device, dtype)
+    encoder_note = f", encoder {encoder.dtype}" if encoder is not None and encoder.dtype != dtype else ""
+    log.info("loaded %s from %s (%s, %s%s)", name, path, device, dtype, encoder_note)
     return WhisperModel(
         name=name,
         encoder=encoder,
