@@ -241,27 +241,8 @@ def run_bench(
 
 
 def machine(engine: Engine) -> dict[str, Any]:
-    """What the figures were measured on: the CPU, torch and its threads, and the kernels the engine chose."""
-    from app.engine.int8 import Int8Linear, kernel_isa
-
-    main = engine.main
-    info: dict[str, Any] = {
-        "cpu": _cpu_name(),
-        "logical_cpus": os.cpu_count(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "device": str(main.device),
-        "dtype": str(main.dtype).removeprefix("torch."),
-        "model": main.name,
-        "assistant": engine.drafter.name if engine.drafter is not None else None,
-    }
-    drafter_decoder = getattr(engine.drafter, "decoder", None)
-    on_kernel = drafter_decoder is not None and any(isinstance(m, Int8Linear) for m in drafter_decoder.modules())
-    info["int8_kernel"] = kernel_isa() if on_kernel else None
-    if main.encoder is not None:
-        info["encoder_dtype"] = str(main.encoder.dtype).removeprefix("torch.")
-        info["encoder_attention"] = main.encoder.attention_in_use()
-    return info
+    """What the figures were measured on: the CPU, torch, and what the engine runs (`Engine.describe`)."""
+    return {"cpu": _cpu_name(), "logical_cpus": os.cpu_count(), "torch": torch.__version__, **engine.describe()}
 
 
 def _cpu_name() -> str:

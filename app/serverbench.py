@@ -108,6 +108,7 @@ def run_server_bench(
         "clips": len(clips),
         "clip_ids": [c.name for c in clips],
         "modes": {m: [] for m in modes},
+        "engines": {},  # per mode, what its server runs (`Engine.describe()`, from /health/ready)
         "identical_texts": True,
         "texts": reference,
     }
@@ -116,8 +117,9 @@ def run_server_bench(
     settings = {"SPECWHISPER_BATCH_WINDOW_MS": "20", **(env or {})}
     servers = {m: ServerProcess({**settings, "SPECWHISPER_SPECULATION": m}).launch() for m in modes}
     try:
-        for server in servers.values():
+        for mode, server in servers.items():
             server.wait_ready()
+            report["engines"][mode] = httpx.get(f"{server.url}/health/ready", timeout=30).json()["engine"]
             asyncio.run(_level(server.url, clips[:2], 1, 2))  # warm-up
         for c in concurrency:
             runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}

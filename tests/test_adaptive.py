@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from app.engine.adaptive import BatchCost, ModePolicy
-from app.serverbench import run_server_bench
 
 
 def run(policy: ModePolicy, batch: int, cost: dict[str, float], batches: int) -> list[str]:
@@ -99,10 +100,24 @@ def test_fixed_modes_and_validation() -> None:
 
 
 @pytest.mark.slow
-def test_server_bench_compares_modes_through_real_servers(benchdata: Path) -> None:
+def test_server_bench_compares_modes_through_real_servers(benchdata: Path, tmp_path: Path) -> None:
+    """`python -m app bench --concurrency` starts a server per mode with the engine flags it was given."""
     manifest = benchdata / "manifest.jsonl"
-    report = run_server_bench(manifest, [1, 2], limit=2, requests_per_client=1, rounds=1, languages={"es"})
+    out = tmp_path / "concurrency.json"
+    load = ["--concurrency", "1,2", "--limit", "2", "--requests-per-client", "1", "--rounds", "1", "--languages", "es"]
+    engine_flags = ["--encoder-dtype", "bfloat16"]
+    run = subprocess.run(
+        [sys.executable, "-m", "app", "bench", "--manifest", str(manifest), *load, *engine_flags, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
     assert report["clips"] == 2 and report["identical_texts"] is True
+    assert set(report["engines"]) == {"adaptive", "always", "never"}
+    for engine in report["engines"].values():
+        assert engine["encoder_dtype"] == "bfloat16" and engine["dtype"] == "float32"
     # The clips' own language reaches the server: Spanish comes back in Spanish, not translated.
     references = {e["id"]: e["text"] for e in map(json.loads, manifest.read_text().splitlines())}
     assert sorted(report["texts"]) == sorted(report["clip_ids"]) and all(

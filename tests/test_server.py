@@ -119,6 +119,10 @@ def test_headers_health_models_metrics(server: ServerProcess, jfk: bytes) -> Non
     assert httpx.get(f"{server.url}/health/live").json() == {"status": "ok"}
     ready = httpx.get(f"{server.url}/health/ready").json()
     assert ready["ready"] is True and ready["model"] == "whisper-base"
+    engine = ready["engine"]  # what this replica runs (CPUs differ between machines)
+    assert engine["model"] == "whisper-base" and engine["assistant"] == ready["assistant"]
+    assert engine["dtype"] == engine["encoder_dtype"] == "float32" and engine["device"] == "cpu"
+    assert engine["encoder_attention"] in ("onednn", "flash") and engine["threads"] >= 1
     ids = [m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]]
     assert ids == ["whisper-base", "whisper-1"]
     assert httpx.get(f"{server.url}/v1/models/whisper-2").status_code == 404
@@ -140,6 +144,8 @@ def test_headers_health_models_metrics(server: ServerProcess, jfk: bytes) -> Non
     ):
         assert name in text, name
     assert 'route="/v1/audio/transcriptions",status="200"' in text
+    info = re.search(r"specwhisper_engine_info\{(.*)\} 1\.0", text)
+    assert info is not None and 'dtype="float32"' in info.group(1) and 'model="whisper-base"' in info.group(1)
     # The worker reports each batch's mode and the policy's cost estimates (this server always speculates).
     assert float(re.search(r'specwhisper_batches_total\{mode="speculative"\} ([\d.]+)', text).group(1)) >= 1  # type: ignore[union-attr]
     cost = re.search(r'specwhisper_mode_cost_ms_per_pass\{batch_size="1",mode="speculative"\} ([\d.e+-]+)', text)

@@ -9,13 +9,19 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from app.formats import FORMATS
 from app.settings import Settings
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    overrides = {
+    return Settings(**_overrides(args))
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given as flags (the rest come from `SPECWHISPER_*` variables and defaults)."""
+    return {
         key: value
         for key, value in {
             "model": args.model,
@@ -29,7 +35,6 @@ def _settings(args: argparse.Namespace) -> Settings:
         }.items()
         if value is not None
     }
-    return Settings(**overrides)
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -94,6 +99,8 @@ def _models(args: argparse.Namespace) -> int:
 def _bench_server(args: argparse.Namespace) -> int:
     from app.serverbench import run_server_bench
 
+    # The servers read their settings from the environment: the engine flags go there.
+    env = {f"SPECWHISPER_{key.upper()}": str(value) for key, value in _overrides(args).items()}
     report = run_server_bench(
         args.manifest,
         [int(c) for c in args.concurrency.split(",")],
@@ -104,6 +111,7 @@ def _bench_server(args: argparse.Namespace) -> int:
         languages=set(args.languages.split(",")) if args.languages else None,
         subset=args.subset,
         max_seconds=args.max_seconds,
+        env=env,
     )
     print(json.dumps(report, indent=2))
     if args.json:

@@ -101,6 +101,10 @@ class _Job:
         return self.all_tokens[self.prompt_reset :] if self.options.condition_on_previous_text else []
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 class Engine:
     """A resident main model with an optional drafter; transcribes batches of clips of any length."""
 
@@ -109,6 +113,26 @@ class Engine:
         self.drafter = drafter
         self.generator = torch.Generator().manual_seed(seed)
         self._rules = {ts: main.logit_rules(timestamps=ts) for ts in (False, True)}
+
+    def describe(self) -> dict[str, str | int | None]:
+        """What this engine runs: its models, device, torch threads and dtypes, the encoder's attention
+        kernel (timed now if the encoder has not run yet) and the instruction set of the draft's int8
+        kernel (None where the draft does not run on it)."""
+        from app.engine.int8 import Int8Linear, kernel_isa
+
+        main, encoder = self.main, self.main.encoder
+        draft_decoder = getattr(self.drafter, "decoder", None)
+        on_kernel = draft_decoder is not None and any(isinstance(m, Int8Linear) for m in draft_decoder.modules())
+        return {
+            "model": main.name,
+            "assistant": self.drafter.name if self.drafter is not None else None,
+            "device": str(main.device),
+            "threads": torch.get_num_threads(),
+            "dtype": _dtype_name(main.dtype),
+            "encoder_dtype": _dtype_name(encoder.dtype) if encoder is not None else None,
+            "encoder_attention": encoder.attention_in_use() if encoder is not None else None,
+            "int8_kernel": kernel_isa() if on_kernel else None,
+        }
 
     def check(self, options: DecodingOptions, audio: np.ndarray) -> None:
         """Raise InvalidRequestError if this clip cannot be transcribed with these options."""

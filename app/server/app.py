@@ -51,6 +51,7 @@ def create_app(settings: Settings | None = None, *, on_fatal: Callable[[str], No
     def on_ready(ready: Ready) -> None:
         metrics.worker_up.set(1)
         metrics.model_load_seconds.set(ready.load_seconds)
+        metrics.engine.info({key: "" if value is None else str(value) for key, value in ready.engine.items()})
         metrics.mode_cost.clear()  # a restarted worker measures afresh
 
     @asynccontextmanager

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 
 from app.server.protocol import BatchResult
 
@@ -60,6 +60,9 @@ class ServerMetrics:
             "specwhisper_realtime_errors", "error events sent to realtime clients", ["code"], registry=r
         )
         self.model_load_seconds = Gauge("specwhisper_model_load_seconds", "model load time of the worker", registry=r)
+        self.engine = Info(
+            "specwhisper_engine", "what the worker runs: models, device, threads, dtypes, kernels", registry=r
+        )
         self.requests_cancelled = Counter(
             "specwhisper_requests_cancelled", "requests whose client disconnected before the answer", registry=r
         )

@@ -60,6 +60,7 @@ class Ready:
     model: str
     assistant: str | None
     load_seconds: float
+    engine: dict[str, str | int | None] = field(default_factory=dict)  # `Engine.describe()`
 
 
 @dataclass(frozen=True)

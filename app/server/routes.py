@@ -144,6 +144,7 @@ async def ready(request: Request) -> JSONResponse:
         "ready": worker.is_ready,
         "model": worker.ready.model if worker.ready else None,
         "assistant": worker.ready.assistant if worker.ready else None,
+        "engine": worker.ready.engine if worker.ready else None,
         "queue_depth": batcher.depth,
         "worker_restarts": worker.restarts,
         "worker_pid": worker.pid,

@@ -201,7 +201,7 @@ def worker_main(settings: Settings, conn: Connection) -> None:
     trim = heap_trimmer() if settings.worker_heap_trim else None
     inbox = Inbox(conn)
     runner = BatchRunner(engine, ModePolicy(settings.speculation, warmed=warmed), conn.send, inbox.is_cancelled)
-    conn.send(Ready(engine.main.name, drafter, time.perf_counter() - started))
+    conn.send(Ready(engine.main.name, drafter, time.perf_counter() - started, engine.describe()))
     while True:
         try:
             batch = inbox.next(timeout=IDLE_BEFORE_TRIM_S if trim is not None else None)
