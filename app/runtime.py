@@ -32,7 +32,9 @@ def build_engine(settings: Settings, *, progress: bool = True) -> Engine:
     if settings.assistant == SELF_DRAFT:
         drafter = self_draft(main, length, kernel=settings.int8_kernel)
     elif settings.assistant != NO_ASSISTANT:
-        assistant = load_model(settings.assistant, store, device=device, dtype=dtype, progress=progress)
+        assistant = load_model(
+            settings.assistant, store, device=device, dtype=dtype, encoder_dtype=encoder_dtype, progress=progress
+        )
         drafter = model_draft(main, assistant, length)
     # Loading, packing and quantizing freed hundreds of MB of temporaries that glibc would keep.
     trim = heap_trimmer()

@@ -29,7 +29,7 @@ class Settings(BaseSettings):
     encoder_dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto",
         description="the main encoder's own dtype ('auto': as `dtype`); bfloat16 on a CPU with AMX runs it"
-        " ~4x faster while the decoders keep `dtype`",
+        " ~3x faster while the decoders keep `dtype` (on a CPU without bf16 arithmetic, many times slower)",
     )
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice)")
     draft_tokens: int = Field(5, ge=1, le=12, description="initial draft length per row")

@@ -20,6 +20,22 @@ from tests.server import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# CPU flags of native half-precision arithmetic. Without them torch falls back to kernels tens of times slower
+# than fp32 (a minute or more per window of Whisper base), so tests of half precision on the CPU need them.
+_NATIVE_FLAGS = {"bfloat16": {"avx512_bf16", "amx_bf16"}, "float16": {"avx512_fp16", "amx_fp16"}}
+
+
+def cpu_computes_natively(dtype: str) -> bool:
+    """Whether this CPU has native `dtype` ("bfloat16" or "float16") arithmetic (Linux /proc/cpuinfo)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    return cpuinfo.is_file() and bool(_NATIVE_FLAGS[dtype] & set(cpuinfo.read_text().split()))
+
+
+def needs_native(dtype: str) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(
+        not cpu_computes_natively(dtype), reason=f"this CPU has no native {dtype} arithmetic ({_NATIVE_FLAGS[dtype]})"
+    )
+
 
 def benchdata_dir() -> Path:
     configured = os.environ.get("SPECWHISPER_BENCHDATA")

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import pytest
+import torch
 
-from app.engine.assistant import self_draft
+from app.engine.assistant import model_draft, same_encoder, self_draft
 from app.engine.interface import DecodingOptions, InvalidRequestError
 from app.engine.model import WhisperModel
 from app.engine.tokenizer import VocabularyMismatchError
 from app.engine.transcriber import Engine
 from app.runtime import build_engine
 from app.settings import Settings
+from app.store.catalog import ModelStore
+from app.store.loader import load_model
 
 
 def test_mismatched_vocabulary_fails_at_startup_naming_both() -> None:
@@ -48,3 +52,17 @@ def test_language_detection_and_bad_options(base: WhisperModel, clip: Callable) 
         engine.transcribe([clip("whisper/jfk")], [DecodingOptions(language="xx")])
     with pytest.raises(InvalidRequestError, match="task"):
         DecodingOptions(task="summarize")
+
+
+def test_an_assistant_shares_the_main_encoder_held_in_another_dtype(base: WhisperModel, store: ModelStore) -> None:
+    """An encoder-decoder assistant with the main model's encoder reads the main encoder's output, also when one
+    of the two holds it in bf16 (`encoder_dtype`): encoders are compared in the coarser dtype."""
+    half = load_model("whisper-base", store, encoder_dtype=torch.bfloat16, progress=False)
+    assert half.encoder is not None and base.encoder is not None
+    assert same_encoder(base.encoder, half.encoder) and same_encoder(half.encoder, base.encoder)
+    other = copy.deepcopy(half.encoder)
+    with torch.no_grad():
+        other.layers[0].fc1.weight[0, 0] += 0.5
+    assert not same_encoder(base.encoder, other)
+    assistant = load_model("whisper-base", store, progress=False)  # fp32 encoder: its own copy of the weights
+    assert model_draft(half, assistant).cross == "main-encoder" and assistant.encoder is None

@@ -75,8 +75,8 @@ def test_bench_reports_identical_tokens_and_ratios(benchdata: Path, tmp_path: Pa
     # are resident in the speculative process only.
     assert rss["main_only_serving"] > 100 and rss["speculative_serving"] > 100
     assert rss["main_only_loaded"] > 100 and rss["speculative_loaded"] > rss["main_only_loaded"] + 20
-    assert rss["assistant_share_serving"] == pytest.approx(
-        (rss["speculative_serving"] - rss["main_only_serving"]) / rss["main_only_serving"]
+    assert rss["assistant_share_loaded"] == pytest.approx(
+        (rss["speculative_loaded"] - rss["main_only_loaded"]) / rss["main_only_loaded"]
     )
 
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.conftest import needs_native
+
 METRIC_FIELDS = {
     "audio_seconds",
     "encode_ms",
@@ -44,6 +46,7 @@ def test_transcribe_json_speculative_and_plain_agree(benchdata: Path) -> None:
     assert spec_rows[1]["language"] == "es"
 
 
+@needs_native("bfloat16")
 def test_half_precision_flags(benchdata: Path) -> None:
     """--dtype bfloat16 (the whole model, with the default int8 self-draft) and --encoder-dtype bfloat16 (the
     encoder alone) both transcribe speculatively; a bad choice is refused by name."""

@@ -18,6 +18,7 @@ from app.engine.model import WhisperModel
 from app.engine.transcriber import Engine
 from app.store.catalog import ModelStore
 from app.store.loader import load_model
+from tests.conftest import needs_native
 from tests.drafts import (
     decoder_only_checkpoint,
     noisy_encoder_checkpoint,
@@ -233,7 +234,13 @@ def _modes_alone_and_batched(
     return alone, {use: e.transcribe(audio, options) for use, e in engines.items()}
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        pytest.param(torch.bfloat16, marks=needs_native("bfloat16"), id="bfloat16"),
+        pytest.param(torch.float16, marks=needs_native("float16"), id="float16"),
+    ],
+)
 def test_a_half_precision_main_model_drafts_with_an_fp32_self_draft(
     dtype: torch.dtype, store: ModelStore, clip: Callable
 ) -> None:
@@ -250,14 +257,15 @@ def test_a_half_precision_main_model_drafts_with_an_fp32_self_draft(
     alone, batched = _modes_alone_and_batched(main, drafter, audio, options)
     assert "ask not what your country can do for you" in alone[True][0].text.lower()
     for runs in (alone, batched):
-        for plain, spec, o in zip(runs[False], runs[True], options, strict=True):
-            assert error_rate([(plain.text, spec.text, o.language or "en")]) <= 0.05, (plain.text, spec.text)
+        pairs = [(p.text, s.text, o.language or "en") for p, s, o in zip(runs[False], runs[True], options, strict=True)]
+        assert error_rate(pairs) <= 0.05, pairs
         spec_runs = runs[True]
         assert all(r.metrics.speculative for r in spec_runs)
         acceptance = sum(r.metrics.draft_accepted for r in spec_runs) / sum(r.metrics.draft_proposed for r in spec_runs)
         assert acceptance > 0.5, acceptance  # the fp32 draft agrees with the half-precision main model
 
 
+@needs_native("bfloat16")
 def test_a_bfloat16_encoder_feeds_fp32_decoders_exactly(store: ModelStore, clip: Callable) -> None:
     """`encoder_dtype=bfloat16`: the encoder alone runs in bfloat16 (AMX CPUs run it several times faster) and its
     states reach the fp32 decoders as fp32; both modes read the same states, so the output is main-only's to the

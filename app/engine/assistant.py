@@ -14,15 +14,25 @@ NO_ASSISTANT = "none"
 
 
 def same_encoder(a: nn.Module, b: nn.Module) -> bool:
-    """True when two encoders hold the same weights (distil-whisper keeps its teacher's encoder)."""
+    """True when two encoders hold the same weights (distil-whisper keeps its teacher's encoder), compared in
+    the coarser of their two dtypes (a bf16 copy of an fp32 encoder is the same encoder)."""
     sa, sb = a.state_dict(), b.state_dict()
     if sa.keys() != sb.keys():
         return False
     for name in sa:
         x, y = sa[name], sb[name]
-        if x.shape != y.shape or not torch.equal(x.to(y.device, y.dtype), y):
+        if x.shape != y.shape:
+            return False
+        coarse = _coarser(x.dtype, y.dtype)
+        if not torch.equal(x.to(y.device, coarse), y.to(coarse)):
             return False
     return True
+
+
+def _coarser(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    if not (a.is_floating_point and b.is_floating_point):
+        return a
+    return a if torch.finfo(a).eps >= torch.finfo(b).eps else b
 
 
 def self_draft(main: WhisperModel, length: DraftLength | None = None, kernel: bool = True) -> DecoderDrafter:

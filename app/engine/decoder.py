@@ -1,7 +1,7 @@
 """A lean Whisper text decoder with a ragged, per-row key/value cache.
 
-The same module runs the main model (fp32/fp16/bf16) and the drafts (for example an
-int8 copy made by `quantize_dynamic`). Rows of a batch may sit at different
+The same module runs the main model (fp32/fp16/bf16) and the drafts (for example the
+int8 copy of `TextDecoder.quantized_copy`, which computes in fp32). Rows of a batch may sit at different
 positions and feed different numbers of tokens in one call; each row writes its
 keys and values at its own positions and attends only to positions at or before
 its own (`key_position <= query_position`). Entries past a row's valid length are
@@ -220,7 +220,7 @@ class TextDecoder(nn.Module):
 
         kernel: use this project's int8 kernel where the CPU runs it (`app.engine.int8`), else torch's.
 
-        Quantized one Linear at a time, straight from the fp32 weights: copying the whole decoder first
+        Quantized one Linear at a time, straight from the weights (upcast where half): copying the whole decoder
         (and letting `quantize_dynamic` copy it again) held ~300 MB of transient fp32 copies for an
         int8 result of ~50 MB (Whisper base).
         """

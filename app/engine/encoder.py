@@ -79,6 +79,7 @@ class AudioEncoder(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
+        """The dtype it computes in (its weights'; `load_model(encoder_dtype=...)` may set it apart)."""
         return self.positions.dtype
 
     def attention_in_use(self) -> str:

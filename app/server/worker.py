@@ -187,6 +187,7 @@ def worker_main(settings: Settings, conn: Connection) -> None:
     try:
         engine = build_engine(settings, progress=False)
         warmed = engine.warm_up({1, settings.max_batch})
+        described = engine.describe()
     except Exception as exc:
         permanent = is_settings_error(exc)
         if permanent:
@@ -201,7 +202,7 @@ def worker_main(settings: Settings, conn: Connection) -> None:
     trim = heap_trimmer() if settings.worker_heap_trim else None
     inbox = Inbox(conn)
     runner = BatchRunner(engine, ModePolicy(settings.speculation, warmed=warmed), conn.send, inbox.is_cancelled)
-    conn.send(Ready(engine.main.name, drafter, time.perf_counter() - started, engine.describe()))
+    conn.send(Ready(engine.main.name, drafter, time.perf_counter() - started, described))
     while True:
         try:
             batch = inbox.next(timeout=IDLE_BEFORE_TRIM_S if trim is not None else None)

@@ -204,9 +204,9 @@ class CheckpointTensors(Mapping[str, Tensor]):
         # Both formats hand out views of a private memory map of the file: always copy, so that no
         # parameter stays backed by a file that may be rewritten while the model runs.
         tensor = source[key] if isinstance(source, dict) else source.get_tensor(key)
-        return tensor.to(device=self.device, dtype=self.dtype_of(name, tensor), copy=True)
+        return tensor.to(device=self.device, dtype=self._dtype_of(name, tensor), copy=True)
 
-    def dtype_of(self, name: str, tensor: Tensor) -> torch.dtype:
+    def _dtype_of(self, name: str, tensor: Tensor) -> torch.dtype:
         """The dtype `name` is read as: its own unless floating point, else the one set for its prefix."""
         if not tensor.is_floating_point():
             return tensor.dtype
