@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+DtypeName = Literal["auto", "float32", "float16", "bfloat16"]  # "auto": float16 on a GPU, float32 on a CPU
+
 
 def default_models_dir() -> Path:
     """`models/` beside the `app` package (the repository's model store)."""
@@ -23,10 +25,8 @@ class Settings(BaseSettings):
     assistant: str = Field("self-draft", description="'self-draft', 'none', or a model reference")
     models_dir: Path = Field(default_factory=default_models_dir, description="where converted models live")
     device: str = Field("auto", description="'auto' (cuda when present), 'cpu', 'cuda', 'cuda:1', ...")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto", description="the models' dtype: 'auto' is float16 on a GPU, float32 on a CPU"
-    )
-    encoder_dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+    dtype: DtypeName = Field("auto", description="the models' dtype: 'auto' is float16 on a GPU, float32 on a CPU")
+    encoder_dtype: DtypeName = Field(
         "auto",
         description="the main encoder's own dtype ('auto': as `dtype`); bfloat16 on a CPU with AMX runs it"
         " ~3x faster while the decoders keep `dtype` (on a CPU without bf16 arithmetic, many times slower)",

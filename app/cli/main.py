@@ -9,10 +9,10 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from app.formats import FORMATS
-from app.settings import Settings
+from app.settings import DtypeName, Settings
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -44,12 +44,12 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="auto, cpu, cuda, cuda:N")
     parser.add_argument(
         "--dtype",
-        choices=["auto", "float32", "float16", "bfloat16"],
+        choices=get_args(DtypeName),
         help="the models' dtype (auto: float16 on a GPU, float32 on a CPU)",
     )
     parser.add_argument(
         "--encoder-dtype",
-        choices=["auto", "float32", "float16", "bfloat16"],
+        choices=get_args(DtypeName),
         help="the main encoder's own dtype (auto: as --dtype; bfloat16 pays on CPUs with AMX)",
     )
     parser.add_argument("--threads", type=int, help="torch threads")
