@@ -27,6 +27,7 @@ def build_engine(settings: Settings, *, progress: bool = True) -> Engine:
     main = load_model(settings.model, store, device=device, dtype=dtype, encoder_dtype=encoder_dtype, progress=progress)
     if main.encoder is not None:
         main.encoder.attention_kernel = settings.encoder_attention
+    main.decoder.attention = settings.decoder_attention
     length = DraftLength(initial=settings.draft_tokens, adaptive=settings.adaptive_draft)
     drafter: Drafter | None = None
     if settings.assistant == SELF_DRAFT:
@@ -35,6 +36,7 @@ def build_engine(settings: Settings, *, progress: bool = True) -> Engine:
         assistant = load_model(
             settings.assistant, store, device=device, dtype=dtype, encoder_dtype=encoder_dtype, progress=progress
         )
+        assistant.decoder.attention = settings.decoder_attention
         drafter = model_draft(main, assistant, length)
     # Loading, packing and quantizing freed hundreds of MB of temporaries that glibc would keep.
     trim = heap_trimmer()

@@ -42,6 +42,12 @@ class Settings(BaseSettings):
         description="the encoder's self-attention in fp32 on a CPU: oneDNN products per head, torch's flash kernel,"
         " or whichever runs faster on this CPU (timed once per worker)",
     )
+    decoder_attention: Literal["invariant", "sdpa"] = Field(
+        "invariant",
+        description="the decoders' attention: 'invariant' gives every token the same bits whether a pass feeds it"
+        " alone or with drafts and other rows (this project's kernel, fp32 on an x86-64 CPU with AVX2; elsewhere"
+        " torch's), so speculative output is main-only's bit for bit; 'sdpa': torch's kernel everywhere",
+    )
     log_level: str = Field("info", description="logging level of the server and worker")
     worker_heap_trim: bool = Field(True, description="return freed heap memory to the OS when the worker idles")
 

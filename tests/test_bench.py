@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from app.bench import select_clips
-from app.engine.int8 import cpu_runs_kernel, kernel_isa
+from app.engine.native import cpu_runs_kernel, kernel_isa
 
 
 def test_bench_reports_identical_tokens_and_ratios(benchdata: Path, tmp_path: Path) -> None:
@@ -65,6 +65,7 @@ def test_bench_reports_identical_tokens_and_ratios(benchdata: Path, tmp_path: Pa
     assert machine["model"] == "whisper-base" and machine["assistant"].startswith("self-draft")
     assert machine["threads"] >= 1 and machine["cpu"] and machine["dtype"] == "float32"
     assert machine["encoder_attention"] in ("onednn", "flash")
+    assert machine["decoder_attention"] == ("invariant" if cpu_runs_kernel() else "sdpa")
     assert machine["int8_kernel"] == (kernel_isa() if cpu_runs_kernel() else None)
     rss = report["peak_rss_mb"]  # each mode in its own process: the assistant's own footprint
     assert rss["main_only"] > 100 and rss["assistant_share"] == pytest.approx(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -13,8 +14,10 @@ from app.bench import error_rate
 from app.engine.assistant import model_draft, self_draft
 from app.engine.batch import DecoderState, Row
 from app.engine.draft import DecoderDrafter, Drafter, DraftInputs, Drafts, DraftSession
+from app.engine.features import N_SAMPLES, log_mel, window
 from app.engine.interface import DecodingOptions, Transcription
 from app.engine.model import WhisperModel
+from app.engine.native import cpu_runs_kernel
 from app.engine.transcriber import Engine
 from app.store.catalog import ModelStore
 from app.store.loader import load_model
@@ -281,3 +284,45 @@ def test_a_bfloat16_encoder_feeds_fp32_decoders_exactly(store: ModelStore, clip:
     for runs in (alone, batched):
         assert [r.tokens for r in runs[True]] == [r.tokens for r in runs[False]]
         assert all(r.metrics.speculative and r.metrics.draft_accepted > 0 for r in runs[True])
+
+
+@pytest.mark.skipif(not cpu_runs_kernel(), reason="the batch-invariant attention needs this project's kernel")
+def test_a_verification_pass_gives_each_token_a_one_token_steps_bits(base: WhisperModel, clip: Callable) -> None:
+    """Bit for bit, not only the same argmax: the main model's logits at every position are the same whether
+    one token is fed per pass (plain decoding), a few at once (a verification pass) or in a ragged batch with
+    other requests, so speculative decoding cannot break a near tie differently from plain decoding."""
+    tok = base.tokenizer
+    ids = ("whisper/jfk", "ljspeech/LJ001-0001", "fleurs/fleurs-de-001", "fleurs/fleurs-fr-002")
+    features = torch.stack([window(log_mel(clip(c), base.n_mels, padding=N_SAMPLES), 0) for c in ids])
+    cross = base.decoder.cross_kv(base.encode(features))
+    prompts = [tok.prompt(CLIPS[c], "transcribe", timestamps=False) for c in ids]
+    with torch.inference_mode():
+        # each row alone, one token per pass, greedy on the raw logits
+        alone: list[list[torch.Tensor]] = []
+        tokens: list[list[int]] = []
+        for row, prompt in enumerate(prompts):
+            state = DecoderState.start(base.decoder, cross.select(torch.tensor([row])), 1)
+            hidden, _ = state.feed([prompt])
+            logits, fed = [base.decoder.logits(hidden[0, -1])], []
+            for _ in range(24):
+                fed.append(int(logits[-1].argmax()))
+                hidden, _ = state.feed([[fed[-1]]])
+                logits.append(base.decoder.logits(hidden[0, -1]))
+            alone.append(logits)
+            tokens.append(fed)
+        # all rows in one batch, each feeding its own ragged chunks (0 to 7 tokens a pass)
+        state = DecoderState.start(base.decoder, cross, len(ids))
+        hidden, feed = state.feed(prompts)
+        got = [[base.decoder.logits(hidden[r, n - 1])] for r, n in enumerate(feed.lengths)]
+        done = [0] * len(ids)
+        sizes = itertools.cycle([[1, 7, 0, 3], [5, 1, 2, 7], [2, 0, 7, 1], [7, 3, 1, 4]])
+        while any(d < len(t) for d, t in zip(done, tokens, strict=True)):
+            chunk = [t[d : d + n] for t, d, n in zip(tokens, done, next(sizes), strict=True)]
+            hidden, feed = state.feed(chunk)
+            for r, n in enumerate(feed.lengths):
+                got[r] += [base.decoder.logits(hidden[r, j]) for j in range(n)]
+                done[r] += n
+    for row in range(len(ids)):
+        assert len(got[row]) == len(alone[row])
+        for position, (a, b) in enumerate(zip(alone[row], got[row], strict=True)):
+            assert torch.equal(a, b), (ids[row], position, float((a - b).abs().max()))

@@ -22,9 +22,10 @@ from torch import Tensor, nn
 from app.engine.batch import DecoderState
 from app.engine.decoder import CrossKV, TextDecoder
 from app.engine.features import N_SAMPLES, log_mel, window
-from app.engine.int8 import Int8Linear, cpu_runs_kernel, dynamic_int8, int8_twin, kernel_extension, kernel_sources
+from app.engine.int8 import Int8Linear, dynamic_int8, int8_twin
 from app.engine.kernels import PackedLinear, packing_available
 from app.engine.model import WhisperModel
+from app.engine.native import cpu_runs_kernel, kernel_extension, kernel_sources
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,7 +97,8 @@ def test_a_built_package_carries_every_kernel_source(tmp_path: Path) -> None:
 
 PROBE = """
 import json, logging, torch
-from app.engine.int8 import Int8Linear, int8_twin, kernel_extension
+from app.engine.int8 import Int8Linear, int8_twin
+from app.engine.native import kernel_extension
 logging.basicConfig(level=logging.WARNING)
 torch.manual_seed(0)
 linear = torch.nn.Linear(512, 1536)

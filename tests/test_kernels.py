@@ -23,8 +23,10 @@ from app.engine.kernels import (
     pack_linears,
     packing_available,
     preferred_attention,
+    prefix_attention,
 )
 from app.engine.model import WhisperModel
+from app.engine.native import cpu_runs_kernel, kernel_extension
 from app.engine.weights import WhisperDims
 
 needs_onednn = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear ops")
@@ -126,3 +128,90 @@ def test_encoder_matches_transformers(base: WhisperModel, base_dir: Path, speech
         torch.testing.assert_close(mine, reference, rtol=1e-4, atol=3e-3)
     with pytest.raises(ValueError, match="3000 mel frames"):
         plain(features[..., :2000])
+
+
+def _each_isa(ext: object) -> list[str]:
+    """The kernel's instruction sets this CPU runs (widest first)."""
+    runs = []
+    chosen = ext.isa()  # type: ignore[attr-defined]
+    try:
+        for isa in ("avx512_vnni", "avx2"):
+            try:
+                ext.use_isa(isa)  # type: ignore[attr-defined]
+            except RuntimeError:
+                continue
+            runs.append(isa)
+    finally:
+        ext.use_isa(chosen)  # type: ignore[attr-defined]
+    return runs
+
+
+@pytest.mark.skipif(not cpu_runs_kernel(), reason="this CPU has no AVX2 + FMA")
+@pytest.mark.parametrize("keys_dtype", [torch.float32, torch.bfloat16])
+def test_prefix_attention_gives_a_query_the_same_bits_in_any_call(keys_dtype: torch.dtype) -> None:
+    """The decoders' attention: each query over its own first keys, as torch's SDPA with the causal mask
+    computes it, and to the bit what the query gets alone, whatever the other queries and rows of the call
+    (what a verification pass needs to give each token a one-token step's bits), on every instruction set."""
+    ext = kernel_extension()
+    assert ext is not None
+    generator = torch.Generator().manual_seed(0)
+    b, s, h, dh, t = 3, 7, 4, 64, 45
+    q = torch.randn(b, s, h * dh, generator=generator)
+    keys = torch.randn(b, h, t + 5, dh, generator=generator).to(keys_dtype)[:, :, :t]  # strided, as cache views
+    values = torch.randn(b, h, t + 5, dh, generator=generator).to(keys_dtype)[:, :, :t]
+    lengths = torch.randint(1, t + 1, (b, s), generator=generator)
+    mask = torch.arange(t).view(1, 1, 1, t) < lengths.view(b, 1, s, 1)
+    reference = (
+        F.scaled_dot_product_attention(
+            q.view(b, s, h, dh).transpose(1, 2), keys.float(), values.float(), attn_mask=mask
+        )
+        .transpose(1, 2)
+        .reshape(b, s, h * dh)
+    )
+    chosen = ext.isa()
+    try:
+        for isa in _each_isa(ext):
+            ext.use_isa(isa)
+            out = prefix_attention(q, keys, values, lengths)
+            torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+            for row in range(b):
+                for step in range(s):
+                    alone = prefix_attention(
+                        q[row : row + 1, step : step + 1],
+                        keys[row : row + 1],
+                        values[row : row + 1],
+                        lengths[row : row + 1, step : step + 1],
+                    )
+                    assert torch.equal(alone[0, 0], out[row, step]), (isa, row, step)
+            everything = prefix_attention(q, keys, values, None)
+            assert torch.equal(everything, prefix_attention(q, keys, values, torch.full((b, s), t)))
+    finally:
+        ext.use_isa(chosen)
+    with pytest.raises(RuntimeError, match=r"within 1\.\.T"):
+        ext.attention(q, keys, values, torch.zeros(b, s, dtype=torch.long))
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(512, 512), (1536, 512), (2048, 512), (512, 2048), (51865, 512)])
+def test_packed_products_give_a_row_the_same_bits_in_any_row_count(shape: tuple[int, int]) -> None:
+    """oneDNN sums a lone row of a long product (fc2's 2048 inputs) in another order than the same row among
+    others; `PackedLinear` feeds a lone row twice, so every row count from 1 to 40 gives a row the same bits
+    (Whisper base's product shapes; plain, GELU and residual-add forms)."""
+    n, k = shape
+    generator = torch.Generator().manual_seed(1)
+    linear = nn.Linear(k, n)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(n, k, generator=generator) / k**0.5)
+    packed = PackedLinear(linear)
+    x = torch.randn(40, k, generator=generator)
+    residual = torch.randn(40, n, generator=generator)
+    forms: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+        "plain": lambda a, r: packed(a),
+        "gelu": lambda a, r: packed.gelu(a),
+        "add": lambda a, r: packed.add(a, r),
+    }
+    for name, form in forms.items():
+        full = form(x, residual)
+        for rows in (1, 2, 3, 9, 36):
+            assert torch.equal(form(x[:rows], residual[:rows]), full[:rows]), (name, rows)
+        assert torch.equal(form(x[:1].view(1, 1, k), residual[:1].view(1, 1, n)), full[:1].view(1, 1, n)), name

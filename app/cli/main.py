@@ -164,7 +164,7 @@ def _gpubench(args: argparse.Namespace) -> int:
 
 
 def _kernels(args: argparse.Namespace) -> int:
-    from app.engine.int8 import install_portable, kernel_isa, prebuilt_dir
+    from app.engine.native import install_portable, kernel_isa, prebuilt_dir
 
     if args.install is not None:
         path = install_portable(Path(args.install) if args.install else prebuilt_dir())

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from app.engine.int8 import Int8DraftStack, int8_twin
-from app.engine.kernels import PackedLinear
+from app.engine.kernels import DecoderAttention, PackedLinear, invariant_attention_runs, prefix_attention
 from app.engine.weights import Tensors, WhisperDims, assign, fused, renamed
 
 # A lone row feeding at most this many tokens takes the one-call step column by column. A draft's
@@ -101,38 +101,46 @@ class DecoderLayer(nn.Module):
         return x.view(b, s, self.n_heads, d // self.n_heads).transpose(1, 2)
 
     def project_cross(self, encoder_out: Tensor) -> tuple[Tensor, Tensor]:
-        """[B, T, D] -> keys, values [B, H, T, Dh]."""
+        """[B, T, D] -> keys, values [B, H, T, Dh], each head's frames contiguous.
+
+        Every pass reads them head by head: as views of the projection, a head's frames would lie
+        2 * D floats apart, and a pass over them took twice as long on a CPU (Whisper base, 1500 frames).
+        """
         k, v = self.cross_kv(encoder_out).chunk(2, dim=-1)
-        return self._heads(k), self._heads(v)
+        return self._heads(k).contiguous(), self._heads(v).contiguous()
 
     def forward(
         self,
         x: Tensor,
-        mask: Tensor,
+        lengths: Tensor,
         write_index: Tensor,
         cache_k: Tensor,
         cache_v: Tensor,
         kv_len: int,
         cross_k: Tensor,
         cross_v: Tensor,
+        attention: DecoderAttention = "invariant",
         capture: list[Tensor] | None = None,
     ) -> Tensor:
-        """`capture`, when given, receives this layer's cross-attention weights [B, H, S, T]."""
+        """x [B, S, D]; lengths [B, S]: the keys each token sees (its position + 1).
+
+        `capture`, when given, receives this layer's cross-attention weights [B, H, S, T].
+        """
         b, s, d = x.shape
         q, k, v = self.qkv(self.self_norm(x)).chunk(3, dim=-1)
-        q, k, v = self._heads(q), self._heads(k), self._heads(v)
-        cache_k.scatter_(2, write_index, k)
-        cache_v.scatter_(2, write_index, v)
-        attn = F.scaled_dot_product_attention(q, cache_k[:, :, :kv_len], cache_v[:, :, :kv_len], attn_mask=mask)
-        x = x + self.self_out(attn.transpose(1, 2).reshape(b, s, d))
-        q = self._heads(self.cross_q(self.cross_norm(x)))
+        cache_k.scatter_(2, write_index, self._heads(k))
+        cache_v.scatter_(2, write_index, self._heads(v))
+        attn = prefix_attention(q, cache_k[:, :, :kv_len], cache_v[:, :, :kv_len], lengths, attention)
+        x = x + self.self_out(attn)
+        q = self.cross_q(self.cross_norm(x))
         if capture is None:
-            attn = F.scaled_dot_product_attention(q, cross_k, cross_v)
+            attn = prefix_attention(q, cross_k, cross_v, None, attention)
         else:
-            weights = (q @ cross_k.transpose(-1, -2) * q.shape[-1] ** -0.5).softmax(-1)
+            heads = self._heads(q)
+            weights = (heads @ cross_k.transpose(-1, -2) * heads.shape[-1] ** -0.5).softmax(-1)
             capture.append(weights)
-            attn = weights @ cross_v
-        x = x + self.cross_out(attn.transpose(1, 2).reshape(b, s, d))
+            attn = (weights @ cross_v).transpose(1, 2).reshape(b, s, d)
+        x = x + self.cross_out(attn)
         return x + self.fc2(F.gelu(self.fc1(self.ffn_norm(x))))
 
 
@@ -167,6 +175,8 @@ class TextDecoder(nn.Module):
         proj = nn.Linear(d_model, vocab, bias=False)
         proj.weight = self.embed.weight
         self.proj: nn.Module = proj  # an int8 module in a drafting copy
+        # "invariant": every token fed gets the same bits whatever else a pass feeds (`prefix_attention`).
+        self.attention: DecoderAttention = "invariant"
         # A drafting copy on the int8 kernel runs one token per row through all layers in one call.
         self.token_step: Callable[[Tensor, list[int], list[int], KVCache, CrossKV], Tensor] | None = None
 
@@ -182,6 +192,11 @@ class TextDecoder(nn.Module):
     def dtype(self) -> torch.dtype:
         """The dtype of its activations and self-attention cache (fp32 for an int8 drafting copy)."""
         return self.positions.dtype
+
+    def attention_in_use(self) -> DecoderAttention:
+        """What its attention runs here: "invariant" (this project's kernel) or torch's "sdpa"."""
+        runs = invariant_attention_runs(self.positions.device, self.dtype, self.d_model // self.n_heads)
+        return "invariant" if self.attention == "invariant" and runs else "sdpa"
 
     @classmethod
     def from_weights(cls, dims: WhisperDims, tensors: Tensors) -> TextDecoder:
@@ -283,20 +298,19 @@ class TextDecoder(nn.Module):
             steps = [self.token_step(x[:, j], [p[j] for p in pos], [w[j] for w in wr], cache, cross) for j in range(s)]
             return self.norm(torch.stack(steps, dim=1))
         kv_len = int(positions.max()) + 1
-        key_pos = torch.arange(kv_len, device=tokens.device)
-        mask = (key_pos.view(1, 1, 1, -1) <= positions.view(b, 1, s, 1)).to(torch.bool)
         head_dim = self.d_model // self.n_heads
         write_index = write.view(b, 1, s, 1).expand(b, self.n_heads, s, head_dim)
         for i, layer in enumerate(self.layers):
             x = layer(
                 x,
-                mask,
+                positions + 1,
                 write_index,
                 cache.keys[i],
                 cache.values[i],
                 kv_len,
                 cross.keys[i],
                 cross.values[i],
+                self.attention,
                 capture,
             )
         return self.norm(x)

@@ -10,6 +10,10 @@ faster (`attention`: oneDNN on the AMD machines, flash on an Intel one). The ari
 same fp32 function; only the summation order inside the kernels differs, and both decoding
 modes run the very same kernels, so their outputs stay identical. Everywhere else (GPU, half
 precision, a torch without oneDNN) the same entry points fall back to torch's own ops.
+
+The decoders' attention (`prefix_attention`) runs on this project's kernel library instead, which
+computes each query on its own: with `PackedLinear` taking a lone row as two, a token's logits are
+then the same bits whatever else its pass feeds (docs/engine.md, "Batch-invariant decoding").
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from app.engine.native import kernel_extension
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +67,20 @@ class PackedLinear(nn.Module):
         return self.packed.to_dense()
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return _rows_alike(lambda t: torch.ops.mkldnn._linear_pointwise(t, self.packed, self.bias, "none", [], ""), x)
 
     def gelu(self, x: Tensor) -> Tensor:
         """gelu(x W^T + b) with the activation applied inside the kernel (erf form, as Whisper's)."""
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "gelu", [], "none")
+        product = torch.ops.mkldnn._linear_pointwise
+        return _rows_alike(lambda t: product(t, self.packed, self.bias, "gelu", [], "none"), x)
 
     def add(self, x: Tensor, residual: Tensor) -> Tensor:
         """residual + x W^T + b with the sum done inside the kernel (`residual` has the output's shape)."""
-        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
+        product = torch.ops.mkldnn._linear_pointwise.binary
+        if x.numel() != x.shape[-1]:
+            return product(x, residual, self.packed, self.bias, "add")
+        pair = product(_doubled(x), _doubled(residual), self.packed, self.bias, "add")
+        return pair[:1].view(residual.shape)
 
     def to_linear(self) -> nn.Linear:
         linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
@@ -89,6 +100,26 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
+
+
+def _doubled(x: Tensor) -> Tensor:
+    """A one-row input [..., 1, K] as two copies of its row, [2, K]."""
+    return x.reshape(1, -1).expand(2, -1).contiguous()
+
+
+def _rows_alike(product: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    """product(x), where a lone row of x gets the same bits it gets among other rows.
+
+    oneDNN splits the sum of a one-row product with a long input (Whisper's fc2, 2048 inputs) across
+    threads, so a row alone comes out ~1e-7 off what the same row gives in a product of two or more
+    rows; fed twice, it takes the path of every other row count (measured from 2 to 39 rows, every
+    product shape of Whisper base: tests/test_exactness.py). The copy costs nothing a one-row product
+    does not already pay in reading the weight.
+    """
+    if x.numel() != x.shape[-1]:
+        return product(x)
+    out = product(_doubled(x))
+    return out[:1].view(*x.shape[:-1], out.shape[-1])
 
 
 def pack_linears(module: nn.Module) -> int:
@@ -116,6 +147,56 @@ def linear_gelu(linear: nn.Module, x: Tensor) -> Tensor:
 def linear_add(linear: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
     """residual + linear(x), fused into the product where `linear` is packed."""
     return linear.add(x, residual) if isinstance(linear, PackedLinear) else residual + linear(x)
+
+
+DecoderAttention = Literal["invariant", "sdpa"]
+DECODER_ATTENTIONS: tuple[DecoderAttention, ...] = ("invariant", "sdpa")
+
+
+def prefix_attention(
+    q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor | None, kernel: DecoderAttention = "invariant"
+) -> Tensor:
+    """Attention of each query over its own first keys: q [B, S, H * Dh], keys/values [B, H, T, Dh],
+    lengths [B, S] (how many keys each query sees, 1..T; None: all T) -> [B, S, H * Dh].
+
+    "invariant": on a CPU, for fp32 queries over fp32 or bfloat16 keys, this project's kernel
+    computes every query on its own, in an order that depends on nothing else in the call. So a
+    verification pass that feeds k tokens gives each of them the very bits a one-token step gives it,
+    which is what keeps speculative decoding's output main-only's to the bit (torch's SDPA sums in
+    blocks of queries: a query alone comes out ~1e-7 off the same query among others). Where the
+    kernel does not run, and for "sdpa", torch's `scaled_dot_product_attention`.
+    """
+    b, s, d = q.shape
+    h, t, dh = keys.shape[1], keys.shape[2], keys.shape[3]
+    ext = _invariant_kernel(q, keys) if kernel == "invariant" else None
+    if ext is not None:
+        if lengths is None:
+            lengths = torch.full((b, s), t, dtype=torch.long)
+        return ext.attention(q, keys, values, lengths)  # type: ignore[no-any-return]
+    mask = None if lengths is None else torch.arange(t, device=q.device).view(1, 1, 1, t) < lengths.view(b, 1, s, 1)
+    heads = q.view(b, s, h, dh).transpose(1, 2)
+    out = F.scaled_dot_product_attention(heads, keys, values, attn_mask=mask)
+    return out.transpose(1, 2).reshape(b, s, d)
+
+
+def _invariant_kernel(q: Tensor, keys: Tensor) -> Any | None:
+    """The kernel library where it computes this attention, else None."""
+    if keys.dtype not in (torch.float32, torch.bfloat16) or not invariant_attention_runs(
+        q.device, q.dtype, q.shape[-1] // keys.shape[1]
+    ):
+        return None
+    return kernel_extension()
+
+
+def invariant_attention_runs(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `prefix_attention(..., "invariant")` runs this project's kernel for such queries."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and head_dim % 16 == 0
+        and head_dim <= 128
+        and kernel_extension() is not None
+    )
 
 
 AttentionKernel = Literal["auto", "onednn", "flash"]

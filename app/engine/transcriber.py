@@ -116,9 +116,10 @@ class Engine:
 
     def describe(self) -> dict[str, str | int | None]:
         """What this engine runs: its models, device, torch threads and dtypes, the encoder's attention
-        kernel (timed now if the encoder has not run yet) and the instruction set of the draft's int8
-        kernel (None where the draft does not run on it)."""
-        from app.engine.int8 import Int8Linear, kernel_isa
+        kernel (timed now if the encoder has not run yet), the decoders' attention and the instruction set
+        of the draft's int8 kernel (None where the draft does not run on it)."""
+        from app.engine.int8 import Int8Linear
+        from app.engine.native import kernel_isa
 
         main, encoder = self.main, self.main.encoder
         draft_decoder = getattr(self.drafter, "decoder", None)
@@ -131,6 +132,7 @@ class Engine:
             "dtype": _dtype_name(main.dtype),
             "encoder_dtype": _dtype_name(encoder.dtype) if encoder is not None else None,
             "encoder_attention": encoder.attention_in_use() if encoder is not None else None,
+            "decoder_attention": main.decoder.attention_in_use(),
             "int8_kernel": kernel_isa() if on_kernel else None,
         }
 

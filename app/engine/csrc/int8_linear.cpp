@@ -1,5 +1,6 @@
 // int8 linear for the CPU drafts: y = dequant(quant(x) . W^T) + b, for a few rows of x at a time, and
-// the layers of an int8 self-draft run in one call per draft step.
+// the layers of an int8 self-draft run in one call per draft step; and the decoders' batch-invariant
+// attention (`attention`, attention.inc).
 //
 // W is quantized per output row (symmetric int8, scale[n]) and packed as [ceil(N/16)][K/4][16][4]: one
 // 64-byte block holds four consecutive inputs of 16 output rows, so the products need no horizontal
@@ -151,10 +152,12 @@ struct Ops {
   bool (*runs_here)();
   void (*qlinear_rows)(const uint8_t*, const float*, const float*, int64_t, const Packed&, float*);
   void (*attend)(const float*, const at::Tensor&, const at::Tensor&, int64_t, int64_t, float*);
+  void (*attend_rows)(const float*, const at::Tensor&, const at::Tensor&, const int64_t*, int64_t, int64_t, float*);
 };
 
-constexpr Ops kAvx512{"avx512_vnni", cpu_has_avx512_vnni, avx512::qlinear_rows, avx512::attend};
-constexpr Ops kAvx2{"avx2", cpu_has_avx2_fma, avx2::qlinear_rows, avx2::attend};
+constexpr Ops kAvx512{"avx512_vnni", cpu_has_avx512_vnni, avx512::qlinear_rows, avx512::attend,
+                       avx512::attend_rows};
+constexpr Ops kAvx2{"avx2", cpu_has_avx2_fma, avx2::qlinear_rows, avx2::attend, avx2::attend_rows};
 constexpr std::array<const Ops*, 2> kWidestFirst{&kAvx512, &kAvx2};
 
 const Ops* best() {
@@ -221,6 +224,31 @@ void attend(const Ops& with, const float* q, const at::Tensor& keys, const at::T
               "attention: fp32 or bfloat16 keys/values");
   TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "attention: head dimension must be contiguous");
   with.attend(q, keys, values, len, heads, out);
+}
+
+// Attention whose every query gets the same bits whatever else the call holds (see `attend_rows_as`):
+// q [B, S, H * Dh] fp32, keys/values [B, H, T, Dh] fp32 or bfloat16 (Dh contiguous), lengths [B, S]
+// int64 (the keys each query attends, 1..T) -> [B, S, H * Dh] fp32.
+at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& lengths) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "attention: q must be fp32 [B, S, D]");
+  TORCH_CHECK(keys.dim() == 4 && values.dim() == 4 && keys.sizes() == values.sizes(),
+              "attention: keys and values must be [B, H, T, Dh] alike");
+  TORCH_CHECK(keys.scalar_type() == values.scalar_type(), "attention: keys and values of one type");
+  TORCH_CHECK(keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16,
+              "attention: fp32 or bfloat16 keys/values");
+  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "attention: head dimension must be contiguous");
+  const int64_t rows = q.size(0), steps = q.size(1);
+  TORCH_CHECK(keys.size(0) == rows && keys.size(1) * keys.size(3) == q.size(2), "attention: q does not match keys");
+  TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.dim() == 2 && lengths.size(0) == rows &&
+                  lengths.size(1) == steps, "attention: lengths must be int64 [B, S]");
+  auto lens = lengths.contiguous();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows * steps; ++i)
+    TORCH_CHECK(lp[i] >= 1 && lp[i] <= keys.size(2), "attention: each length must be within 1..T");
+  auto qc = q.contiguous();
+  auto out = at::empty({rows, steps, q.size(2)}, q.options());
+  if (rows * steps > 0) ops().attend_rows(qc.data_ptr<float>(), keys, values, lp, rows, steps, out.data_ptr<float>());
+  return out;
 }
 
 // The layers of an int8 self-draft for rows feeding one token each: a draft step in one call instead
@@ -317,6 +345,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_isa", &use_isa, "use the given instruction set from now on (it must run on this CPU)");
   m.def("quantize", &quantize, "fp32 [N, K] weight -> (packed int8 blocks, row scales, row sums)");
   m.def("linear", &linear, "y = dequant(quant(x) W^T) + b for a packed int8 W");
+  m.def("attention", &attention, "attention over each query's own prefix of keys; per query the same bits in any call");
   pybind11::class_<DraftStack>(m, "DraftStack")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, int64_t, double>())
       .def("step", &DraftStack::step);

@@ -17,6 +17,11 @@ struct Vec {
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F max(F a, F b) { return _mm256_max_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  // The sums of four vectors' lanes, in one vector: cheaper than four `sum`s (attention scores).
+  static __m128 sum4(F a, F b, F c, F d) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+  }
   static float sum(F v) {
     const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));

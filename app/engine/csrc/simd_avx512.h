@@ -19,6 +19,12 @@ struct Vec {
   static F max(F a, F b) { return _mm512_max_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static float sum(F v) { return _mm512_reduce_add_ps(v); }
+  // The sums of four vectors' lanes, in one vector: cheaper than four `sum`s (attention scores).
+  static __m128 sum4(F a, F b, F c, F d) {
+    const auto half = [](F v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); };
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(half(a), half(b)), _mm256_hadd_ps(half(c), half(d)));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+  }
   static F ldexp(F p, F n) { return _mm512_scalef_ps(p, n); }  // p * 2^n
   static F round(F x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static constexpr float kExpFloor = -100.f;
