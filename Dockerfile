@@ -19,10 +19,11 @@ RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 # A plain `torch` requirement would pull the CUDA build; install the CPU wheel first and keep it.
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
-# A compiler for the int8 draft kernel, in this stage only: the runtime image has none, so the kernel is
-# built here as a portable library (AVX2 + FMA, and AVX-512 VNNI where the CPU has it; it loads on every
-# x86-64 CPU, and where the CPU lacks AVX2 the drafts use torch's int8 linear). Without it, the slim runtime would fall back to
-# torch's int8 linear everywhere: correct, but slower drafts (docs/performance.md).
+# A compiler for the kernel library (int8 drafts, the decoders' batch-invariant attention), in this stage only:
+# the runtime image has none, so the library is built here as a portable one (AVX2 + FMA, and AVX-512 VNNI
+# where the CPU has it; it loads on every x86-64 CPU, and where the CPU lacks AVX2 torch's ops serve).
+# Without it, the slim runtime would fall back to torch's int8 linear and attention everywhere: slower
+# drafts, and speculative output main-only's token for token but no longer bit for bit (docs/engine.md).
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ ninja-build \
     && rm -rf /var/lib/apt/lists/*

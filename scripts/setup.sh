@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create or reuse .venv, install the project (CPU torch first), convert the embedded models once and
-# build the int8 draft kernel for this CPU (cached by torch; the engine would otherwise build it on first use).
+# build the kernel library (int8 drafts, the decoders' attention) for this CPU (cached by torch; the engine would otherwise build it on first use).
 # Usage: scripts/setup.sh [EXTRA,...]   e.g. scripts/setup.sh dev
 set -euo pipefail
 cd "$(dirname "$0")/.."

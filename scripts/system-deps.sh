@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the Debian packages the test suite drives for real: HAProxy (the load balancer in the deployment
 # tests), Chromium with its driver (the browser tests of the web page) and a C++ compiler with ninja (the
-# int8 draft kernel, built for this CPU by torch's extension loader). Skips what is already there.
+# kernel library, built for this CPU by torch's extension loader). Skips what is already there.
 # Needs root and apt (as on the CI machines); elsewhere it only says what is missing.
 set -euo pipefail
 want=()

@@ -4,13 +4,32 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from app.engine.batch import DecoderState
+from app.engine.kernels import DecoderAttention
 from app.engine.model import WhisperModel
+from app.engine.native import cpu_runs_kernel
 
 
-def test_ragged_incremental_decoding_matches_transformers(base: WhisperModel, base_dir: Path) -> None:
+@pytest.mark.parametrize("attention", ["invariant", "sdpa"])
+def test_ragged_incremental_decoding_matches_transformers(
+    attention: DecoderAttention, base: WhisperModel, base_dir: Path
+) -> None:
+    """Both attentions of the decoder (this project's kernel, torch's SDPA with a mask built from each token's
+    position) compute Whisper's decoder, rows at different positions feeding uneven chunks."""
+
+    base.decoder.attention = attention
+    try:
+        _ragged_against_transformers(base, base_dir)
+    finally:
+        base.decoder.attention = "invariant"
+    if attention == "invariant" and cpu_runs_kernel():
+        assert base.decoder.attention_in_use() == "invariant"
+
+
+def _ragged_against_transformers(base: WhisperModel, base_dir: Path) -> None:
     from transformers import WhisperForConditionalGeneration
 
     hf = WhisperForConditionalGeneration.from_pretrained(base_dir, dtype=torch.float32).eval()

@@ -168,9 +168,9 @@ def _kernels(args: argparse.Namespace) -> int:
 
     if args.install is not None:
         path = install_portable(Path(args.install) if args.install else prebuilt_dir())
-        print(f"int8 draft kernel: portable build installed at {path}")
+        print(f"kernel library: portable build installed at {path}")
     isa = kernel_isa()
-    print(f"int8 draft kernel: {f'built ({isa})' if isa else 'unavailable, drafts use torch int8'}")
+    print(f"kernel library: {f'built ({isa})' if isa else 'unavailable: torch int8 for the drafts, torch attention'}")
     return 0
 
 
@@ -250,7 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
         tool.add_arguments(sub)
         sub.set_defaults(handler=tool.run_cli)
 
-    kernels = commands.add_parser("kernels", help="build this CPU's int8 draft kernel now (else on first use)")
+    kernels = commands.add_parser(
+        "kernels", help="build this CPU's kernel library now (int8 drafts, decoder attention; else on first use)"
+    )
     kernels.add_argument(
         "--install",
         nargs="?",

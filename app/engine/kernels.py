@@ -150,7 +150,6 @@ def linear_add(linear: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
 
 
 DecoderAttention = Literal["invariant", "sdpa"]
-DECODER_ATTENTIONS: tuple[DecoderAttention, ...] = ("invariant", "sdpa")
 
 
 def prefix_attention(

@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -170,7 +171,7 @@ const Ops* best() {
 const Ops* g_ops = best();  // what new products and draft stacks use
 
 const Ops& ops() {
-  TORCH_CHECK(g_ops != nullptr, "int8 linear: this CPU has neither AVX2 + FMA nor AVX-512 VNNI");
+  TORCH_CHECK(g_ops != nullptr, "kernel library: this CPU has neither AVX2 + FMA nor AVX-512 VNNI");
   return *g_ops;
 }
 
@@ -230,6 +231,7 @@ void attend(const Ops& with, const float* q, const at::Tensor& keys, const at::T
 // q [B, S, H * Dh] fp32, keys/values [B, H, T, Dh] fp32 or bfloat16 (Dh contiguous), lengths [B, S]
 // int64 (the keys each query attends, 1..T) -> [B, S, H * Dh] fp32.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& lengths) {
+  TORCH_CHECK(q.is_cpu() && keys.is_cpu() && values.is_cpu() && lengths.is_cpu(), "attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "attention: q must be fp32 [B, S, D]");
   TORCH_CHECK(keys.dim() == 4 && values.dim() == 4 && keys.sizes() == values.sizes(),
               "attention: keys and values must be [B, H, T, Dh] alike");

@@ -1,4 +1,4 @@
-// AVX2 + FMA (x86-64 since Haswell / Zen 1): the SIMD operations of the draft kernel, 8 fp32 lanes.
+// AVX2 + FMA (x86-64 since Haswell / Zen 1): the SIMD operations of the kernel library, 8 fp32 lanes.
 // Included inside a namespace compiled for these instruction sets (int8_linear.cpp); includes nothing.
 
 struct Vec {

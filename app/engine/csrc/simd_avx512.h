@@ -1,5 +1,5 @@
 // AVX-512 F/BW/DQ/VL + VNNI (Intel since Cascade Lake, AMD since Zen 4): the SIMD operations of the
-// draft kernel, 16 fp32 lanes. Included inside a namespace compiled for these instruction sets
+// kernel library, 16 fp32 lanes. Included inside a namespace compiled for these instruction sets
 // (int8_linear.cpp); includes nothing.
 
 struct Vec {
