@@ -199,8 +199,8 @@ def test_prefix_attention_gives_a_query_the_same_bits_in_any_call(keys_dtype: to
 def test_packed_products_give_a_row_the_same_bits_in_any_row_count(shape: tuple[int, int]) -> None:
     """oneDNN sums a lone row of a long product (fc2's 2048 inputs) in another order than the same row among
     others; `PackedLinear` feeds a lone row twice, so every row count from 1 to 60 (a verification pass of four
-    rows reaches 52) gives a row the same bits, on one thread and on two (Whisper base's product shapes; plain,
-    GELU and residual-add forms)."""
+    rows reaches 52), and the hundreds of a prompt's first pass, give a row the same bits, on one thread and
+    on two (Whisper base's product shapes; plain, GELU and residual-add forms)."""
     n, k = shape
     generator = torch.Generator().manual_seed(1)
     linear = nn.Linear(k, n)
@@ -209,6 +209,7 @@ def test_packed_products_give_a_row_the_same_bits_in_any_row_count(shape: tuple[
     packed = PackedLinear(linear)
     x = torch.randn(60, k, generator=generator)
     residual = torch.randn(60, n, generator=generator)
+    wide = torch.randn(450, k, generator=generator)
     forms: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
         "plain": lambda a, r: packed(a),
         "gelu": lambda a, r: packed.gelu(a),
@@ -224,5 +225,9 @@ def test_packed_products_give_a_row_the_same_bits_in_any_row_count(shape: tuple[
                     assert torch.equal(form(x[:rows], residual[:rows]), full[:rows]), (count, name, rows)
                 lone = form(x[:1].view(1, 1, k), residual[:1].view(1, 1, n))
                 assert torch.equal(lone, full[:1].view(1, 1, n)), (count, name)
+            # a first pass feeds a whole prompt (up to 224 tokens of context, four rows): rows by pairs
+            pairs = torch.cat([packed(wide[i : i + 2]) for i in range(0, len(wide), 2)])
+            for rows in (128, 233, len(wide)):
+                assert torch.equal(packed(wide[:rows]), pairs[:rows]), (count, rows)
     finally:
         torch.set_num_threads(threads)
