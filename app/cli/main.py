@@ -21,26 +21,19 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The settings given as flags (the rest come from `SPECWHISPER_*` variables and defaults)."""
-    return {
-        key: value
-        for key, value in {
-            "model": args.model,
-            "assistant": args.assistant,
-            "models_dir": args.models_dir,
-            "device": args.device,
-            "dtype": args.dtype,
-            "encoder_dtype": args.encoder_dtype,
-            "threads": args.threads,
-            "draft_tokens": getattr(args, "draft_tokens", None),
-        }.items()
-        if value is not None
-    }
+    flags = ("model", "assistant", "models_dir", "device", "dtype", "encoder_dtype", "threads", "draft_tokens")
+    return {key: value for key in flags if (value := getattr(args, key, None)) is not None}
+
+
+def _add_store(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models-dir", type=Path, help="model store folder (default: ./models)")
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
+    """The flags of commands that load an engine."""
     parser.add_argument("--model", help="main model (store name, HF/CT2 directory or hub id)")
     parser.add_argument("--assistant", help="'self-draft' (default), 'none', or a model reference")
-    parser.add_argument("--models-dir", type=Path, help="model store folder (default: ./models)")
+    _add_store(parser)
     parser.add_argument("--device", help="auto, cpu, cuda, cuda:N")
     parser.add_argument(
         "--dtype",
@@ -266,12 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     models = commands.add_parser("models", help="show or convert models in the store")
     models_cmd = models.add_subparsers(dest="models_command", required=True)
     ls = models_cmd.add_parser("list", help="embedded and converted models")
-    _add_common(ls)
+    _add_store(ls)
     cv = models_cmd.add_parser("convert", help="convert embedded or CTranslate2 models into the store")
     cv.add_argument("sources", nargs="*", help="embedded model names or CT2 directories (default: all embedded)")
     cv.add_argument("--force", action="store_true", help="convert again even if present")
     cv.add_argument("--name", help="store name for a converted directory")
-    _add_common(cv)
+    _add_store(cv)
     models.set_defaults(handler=_models)
     return parser
 

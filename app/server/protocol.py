@@ -57,10 +57,19 @@ class BatchResult:
 
 @dataclass(frozen=True)
 class Ready:
-    model: str
-    assistant: str | None
+    """The worker loaded its models and warmed up; `engine` is `Engine.describe()`."""
+
     load_seconds: float
-    engine: dict[str, str | int | None] = field(default_factory=dict)  # `Engine.describe()`
+    engine: dict[str, str | int | None]
+
+    @property
+    def model(self) -> str:
+        return str(self.engine["model"])
+
+    @property
+    def assistant(self) -> str | None:
+        name = self.engine.get("assistant")
+        return None if name is None else str(name)
 
 
 @dataclass(frozen=True)

@@ -198,11 +198,10 @@ def worker_main(settings: Settings, conn: Connection) -> None:
         with contextlib.suppress(OSError):  # the web process may be gone
             conn.send(LoadFailed(error, permanent))
         sys.exit(1)
-    drafter = engine.drafter.name if engine.drafter else None
     trim = heap_trimmer() if settings.worker_heap_trim else None
     inbox = Inbox(conn)
     runner = BatchRunner(engine, ModePolicy(settings.speculation, warmed=warmed), conn.send, inbox.is_cancelled)
-    conn.send(Ready(engine.main.name, drafter, time.perf_counter() - started, described))
+    conn.send(Ready(time.perf_counter() - started, described))
     while True:
         try:
             batch = inbox.next(timeout=IDLE_BEFORE_TRIM_S if trim is not None else None)
