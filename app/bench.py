@@ -241,7 +241,10 @@ def run_bench(
 
 
 def machine(engine: Engine) -> dict[str, Any]:
-    """What the figures were measured on: the CPU, torch, and what the engine runs (`Engine.describe`)."""
+    """What the figures were measured on: the CPU, torch, and what the engine runs (`Engine.describe`, after
+    checking that the main decoder is batch-invariant here, if the engine has not yet)."""
+    if engine.batch_invariant is None:
+        engine.check_batch_invariance()
     return {"cpu": _cpu_name(), "logical_cpus": os.cpu_count(), "torch": torch.__version__, **engine.describe()}
 
 

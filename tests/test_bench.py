@@ -66,6 +66,9 @@ def test_bench_reports_identical_tokens_and_ratios(benchdata: Path, tmp_path: Pa
     assert machine["threads"] >= 1 and machine["cpu"] and machine["dtype"] == "float32"
     assert machine["encoder_attention"] in ("onednn", "flash")
     assert machine["decoder_attention"] == ("invariant" if cpu_runs_kernel() else "sdpa")
+    assert isinstance(machine["batch_invariant"], bool)
+    if cpu_runs_kernel():  # the bench checked, as a worker's warm-up does
+        assert machine["batch_invariant"] is True
     assert machine["int8_kernel"] == (kernel_isa() if cpu_runs_kernel() else None)
     rss = report["peak_rss_mb"]  # each mode in its own process: the assistant's own footprint
     assert rss["main_only"] > 100 and rss["assistant_share"] == pytest.approx(

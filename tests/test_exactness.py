@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from app.engine.batch import DecoderState, Row
 from app.engine.draft import DecoderDrafter, Drafter, DraftInputs, Drafts, DraftSession
 from app.engine.features import N_SAMPLES, log_mel, window
 from app.engine.interface import DecodingOptions, Transcription
+from app.engine.invariance import batch_invariant
 from app.engine.model import WhisperModel
 from app.engine.native import cpu_runs_kernel
 from app.engine.transcriber import Engine
@@ -327,3 +330,25 @@ def test_a_verification_pass_gives_each_token_a_one_token_steps_bits(base: Whisp
         assert len(got[row]) == len(alone[row])
         for position, (a, b) in enumerate(zip(alone[row], got[row], strict=True)):
             assert torch.equal(a, b), (ids[row], position, float((a - b).abs().max()))
+
+
+def test_the_warm_up_checks_that_the_decoder_is_batch_invariant(base: WhisperModel) -> None:
+    """The worker's warm-up checks, on the machine at hand, that a token's logits do not depend on how a pass
+    feeds it, and says so in `describe()`; a decoder whose output moves with the tokens a pass feeds fails."""
+    engine = Engine(base)
+    assert engine.describe()["batch_invariant"] is None
+    engine.warm_up({1})
+    assert isinstance(engine.batch_invariant, bool)
+    if cpu_runs_kernel():
+        assert engine.batch_invariant and engine.describe()["batch_invariant"] is True
+    leaky = copy.copy(base.decoder)
+    forward = base.decoder.forward
+
+    def by_width(tokens: torch.Tensor, *args: Any) -> torch.Tensor:
+        return forward(tokens, *args) + 1e-6 * tokens.shape[1]  # as a kernel that sums by blocks of queries
+
+    leaky.forward = by_width  # type: ignore[method-assign]
+    tone = torch.zeros(1, base.n_mels, 3000)
+    assert not batch_invariant(
+        leaky, base.decoder.cross_kv(base.encode(tone)), base.tokenizer.prompt("en", "transcribe")
+    )

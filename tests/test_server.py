@@ -124,6 +124,9 @@ def test_headers_health_models_metrics(server: ServerProcess, jfk: bytes) -> Non
     assert engine["dtype"] == engine["encoder_dtype"] == "float32" and engine["device"] == "cpu"
     assert engine["encoder_attention"] in ("onednn", "flash") and engine["threads"] >= 1
     assert engine["decoder_attention"] in ("invariant", "sdpa")
+    assert isinstance(engine["batch_invariant"], bool)  # the worker's warm-up checked it
+    if engine["decoder_attention"] == "invariant":
+        assert engine["batch_invariant"] is True
     ids = [m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]]
     assert ids == ["whisper-base", "whisper-1"]
     assert httpx.get(f"{server.url}/v1/models/whisper-2").status_code == 404

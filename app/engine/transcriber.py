@@ -10,6 +10,7 @@ decoder pass.
 
 from __future__ import annotations
 
+import logging
 import time
 import zlib
 from collections.abc import Callable, Iterable, Sequence
@@ -41,7 +42,10 @@ from app.engine.interface import (
     Transcription,
     Word,
 )
+from app.engine.invariance import batch_invariant
 from app.engine.model import WhisperModel
+
+log = logging.getLogger(__name__)
 
 SAMPLE_LEN = 224  # tokens per window (OpenAI: n_text_ctx // 2)
 
@@ -105,6 +109,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _tone() -> np.ndarray:
+    """One second of a 220-Hz tone: what the warm-up decodes."""
+    t = np.arange(SAMPLE_RATE, dtype=np.float32) / SAMPLE_RATE
+    return (0.1 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+
+
 class Engine:
     """A resident main model with an optional drafter; transcribes batches of clips of any length."""
 
@@ -113,11 +123,15 @@ class Engine:
         self.drafter = drafter
         self.generator = torch.Generator().manual_seed(seed)
         self._rules = {ts: main.logit_rules(timestamps=ts) for ts in (False, True)}
+        # Whether the main decoder gives a token the same bits however a pass feeds it, as checked on
+        # this machine by `warm_up` (None until then).
+        self.batch_invariant: bool | None = None
 
     def describe(self) -> dict[str, str | int | None]:
         """What this engine runs: its models, device, torch threads and dtypes, the encoder's attention
-        kernel (timed now if the encoder has not run yet), the decoders' attention and the instruction set
-        of the draft's int8 kernel (None where the draft does not run on it)."""
+        kernel (timed now if the encoder has not run yet), the decoders' attention, whether the warm-up found
+        the main decoder batch-invariant (`app.engine.invariance`) and the instruction set of the draft's
+        int8 kernel (None where the draft does not run on it)."""
         from app.engine.int8 import Int8Linear
         from app.engine.native import kernel_isa
 
@@ -133,6 +147,7 @@ class Engine:
             "encoder_dtype": _dtype_name(encoder.dtype) if encoder is not None else None,
             "encoder_attention": encoder.attention_in_use() if encoder is not None else None,
             "decoder_attention": main.decoder.attention_in_use(),
+            "batch_invariant": self.batch_invariant,
             "int8_kernel": kernel_isa() if on_kernel else None,
         }
 
@@ -197,9 +212,10 @@ class Engine:
         The encoder runs once, alone, and wider batches decode copies of its output: its own first
         batch of four took only 0.25 s (6%) longer than the next, while each batch-of-four pass of
         warm-up had cost ~4.5 s on a 2-core machine.
+
+        Then it checks whether the main decoder is batch-invariant here (`check_batch_invariance`).
         """
-        t = np.arange(SAMPLE_RATE, dtype=np.float32) / SAMPLE_RATE
-        tone = (0.1 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+        tone = _tone()
         sizes = frozenset(batch_sizes)
         with torch.inference_mode():
             first = _Job(self.main, tone, DecodingOptions(language="en"))
@@ -213,7 +229,32 @@ class Engine:
                     options = DecodingOptions(language="en", use_assistant=use)
                     jobs = [_Job(self.main, tone, options) for _ in range(batch)]
                     self._decode(jobs, [0.0] * batch, inputs.main_cross, inputs, torch.arange(batch))
+            self.check_batch_invariance(encoder_out)
         return sizes
+
+    def check_batch_invariance(self, encoder_out: torch.Tensor | None = None) -> bool:
+        """Check whether the main decoder gives a token the same bits however a pass feeds it, on this
+        machine (`app.engine.invariance`); logs and keeps the answer (`batch_invariant`, `describe()`).
+
+        encoder_out: one window's encoder states [1, 1500, D] to read (default: a second of a tone's).
+        """
+        with torch.inference_mode():
+            if encoder_out is None:
+                encoder_out = self.main.encode(
+                    _Job(self.main, _tone(), DecodingOptions(language="en")).features()[None]
+                )
+            prompt = self.main.tokenizer.prompt("en", "transcribe")
+            invariant = batch_invariant(self.main.decoder, self.main.decoder.cross_kv(encoder_out), prompt)
+        if invariant:
+            log.info("the main decoder is batch-invariant here: speculative output is main-only's bit for bit")
+        else:
+            log.info(
+                "the main decoder is not batch-invariant here (%s attention, %s): speculative output is"
+                " main-only's token for token wherever no two logits are within rounding of each other",
+                self.main.decoder.attention_in_use(), _dtype_name(self.main.dtype),
+            )  # fmt: skip
+        self.batch_invariant = invariant
+        return invariant
 
     def _inputs(self, features: torch.Tensor, encoder_out: torch.Tensor, segment_frames: int) -> DraftInputs:
         """A window's cross-attention K/V and what its drafter gets, for its longest row's mel frames."""
