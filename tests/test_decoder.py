@@ -20,11 +20,11 @@ def test_ragged_incremental_decoding_matches_transformers(
     """Both attentions of the decoder (this project's kernel, torch's SDPA with a mask built from each token's
     position) compute Whisper's decoder, rows at different positions feeding uneven chunks."""
 
-    base.decoder.attention = attention
+    before, base.decoder.attention = base.decoder.attention, attention
     try:
         _ragged_against_transformers(base, base_dir)
     finally:
-        base.decoder.attention = "invariant"
+        base.decoder.attention = before
     if attention == "invariant" and cpu_runs_kernel():
         assert base.decoder.attention_in_use() == "invariant"
 

@@ -18,7 +18,7 @@ from app.engine.batch import DecoderState, Row
 from app.engine.draft import DecoderDrafter, Drafter, DraftInputs, Drafts, DraftSession
 from app.engine.features import N_SAMPLES, log_mel, window
 from app.engine.interface import DecodingOptions, Transcription
-from app.engine.invariance import batch_invariant
+from app.engine.invariance import decoder_is_batch_invariant
 from app.engine.model import WhisperModel
 from app.engine.native import cpu_runs_kernel
 from app.engine.transcriber import Engine
@@ -349,6 +349,6 @@ def test_the_warm_up_checks_that_the_decoder_is_batch_invariant(base: WhisperMod
 
     leaky.forward = by_width  # type: ignore[method-assign]
     tone = torch.zeros(1, base.n_mels, 3000)
-    assert not batch_invariant(
+    assert not decoder_is_batch_invariant(
         leaky, base.decoder.cross_kv(base.encode(tone)), base.tokenizer.prompt("en", "transcribe")
     )

@@ -150,6 +150,7 @@ def test_headers_health_models_metrics(server: ServerProcess, jfk: bytes) -> Non
     assert 'route="/v1/audio/transcriptions",status="200"' in text
     info = re.search(r"specwhisper_engine_info\{(.*)\} 1\.0", text)
     assert info is not None and 'dtype="float32"' in info.group(1) and 'model="whisper-base"' in info.group(1)
+    assert re.search(r'batch_invariant="(true|false)"', info.group(1)), info.group(1)
     # The worker reports each batch's mode and the policy's cost estimates (this server always speculates).
     assert float(re.search(r'specwhisper_batches_total\{mode="speculative"\} ([\d.]+)', text).group(1)) >= 1  # type: ignore[union-attr]
     cost = re.search(r'specwhisper_mode_cost_ms_per_pass\{batch_size="1",mode="speculative"\} ([\d.e+-]+)', text)

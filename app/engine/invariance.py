@@ -3,7 +3,8 @@
 Speculative decoding's output is main-only's bit for bit when a token's logits do not depend on how many
 tokens its pass feeds or which rows share the pass (docs/engine.md, "Batch-invariant decoding"). That
 rests on the kernels the machine runs (this project's attention; oneDNN's products, whose choices depend
-on the CPU and the thread count), so the worker checks it once at warm-up and reports it.
+on the CPU, the thread count and the number of rows), so the worker checks it once at warm-up and
+reports it.
 """
 
 from __future__ import annotations
@@ -15,33 +16,41 @@ import torch
 from app.engine.batch import DecoderState
 from app.engine.decoder import CrossKV, TextDecoder
 
-# Tokens fed a pass by each of two rows after the prompt: one row as verification passes feed them, the
-# other as a batch of rows at other positions would.
-CHUNKS = ((3, 5, 1, 4), (5, 1, 4, 3))
+# Tokens fed by each row in each pass after the prompt (0: the row sits the pass out). Together they
+# make the widths of real passes: one token (plain steps), a few, and 13 (a long verification), in
+# products of up to four rows of 13 positions.
+CHUNKS = ((1, 13, 0, 0), (13, 1, 0, 0), (3, 5, 2, 4), (5, 1, 4, 4))
+TOKENS = 14  # each row's total
 
 
 @torch.inference_mode()
-def batch_invariant(decoder: TextDecoder, cross: CrossKV, prompt: Sequence[int]) -> bool:
+def decoder_is_batch_invariant(decoder: TextDecoder, cross: CrossKV, prompt: Sequence[int], rows: int = 4) -> bool:
     """True if the logits at every position come out the same bits fed one token a pass (plain steps) as
-    fed several at a time by two rows at different positions in one pass (verification, batches).
+    fed several at a time by `rows` (1 to 4) rows at different positions in one pass (verification passes,
+    batches).
 
     cross: one row's audio-frame keys/values ([1, H, T, Dh] per layer). The tokens are the decoder's own
-    greedy choices on its raw logits, 13 of them after the prompt.
+    greedy choices on its raw logits.
     """
-    state = DecoderState.start(decoder, cross, 1)
+    rows = max(1, min(rows, len(CHUNKS)))
+    capacity = len(prompt) + TOKENS
+    state = DecoderState.start(decoder, cross, 1, capacity)
     hidden, _ = state.feed([list(prompt)])
     alone = [decoder.logits(hidden[0, -1])]
     tokens: list[int] = []
-    for _ in range(sum(CHUNKS[0])):
+    for _ in range(TOKENS):
         tokens.append(int(alone[-1].argmax()))
         hidden, _ = state.feed([[tokens[-1]]])
         alone.append(decoder.logits(hidden[0, -1]))
-    pair = CrossKV([torch.cat([k, k]) for k in cross.keys], [torch.cat([v, v]) for v in cross.values])
-    state = DecoderState.start(decoder, pair, len(CHUNKS))
-    hidden, _ = state.feed([list(prompt)] * len(CHUNKS))
+    wide = CrossKV(
+        [k.expand(rows, -1, -1, -1).contiguous() for k in cross.keys],
+        [v.expand(rows, -1, -1, -1).contiguous() for v in cross.values],
+    )
+    state = DecoderState.start(decoder, wide, rows, capacity)
+    hidden, _ = state.feed([list(prompt)] * rows)
     got: list[list[torch.Tensor]] = [[row] for row in decoder.logits(hidden[:, -1])]
-    done = [0] * len(CHUNKS)
-    for sizes in zip(*CHUNKS, strict=True):
+    done = [0] * rows
+    for sizes in zip(*CHUNKS[:rows], strict=True):
         hidden, feed = state.feed([tokens[d : d + n] for d, n in zip(done, sizes, strict=True)])
         logits = decoder.logits(hidden)  # every row and position in one product, as a pass computes them
         for r, n in enumerate(feed.lengths):

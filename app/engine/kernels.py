@@ -112,9 +112,10 @@ def _rows_alike(product: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
 
     oneDNN splits the sum of a one-row product with a long input (Whisper's fc2, 2048 inputs) across
     threads, so a row alone comes out ~1e-7 off what the same row gives in a product of two or more
-    rows; fed twice, it takes the path of every other row count (measured from 2 to 39 rows, every
-    product shape of Whisper base: tests/test_exactness.py). The copy costs nothing a one-row product
-    does not already pay in reading the weight.
+    rows; fed twice, it takes the path of every other row count (measured from 2 to 1000 rows, every
+    product shape of Whisper base, on one and two threads: tests/test_kernels.py). Whether that holds on
+    the machine at hand, the worker checks at warm-up (`app.engine.invariance`). The copy costs nothing
+    a one-row product does not already pay in reading the weight.
     """
     if x.numel() != x.shape[-1]:
         return product(x)

@@ -42,7 +42,7 @@ from app.engine.interface import (
     Transcription,
     Word,
 )
-from app.engine.invariance import batch_invariant
+from app.engine.invariance import decoder_is_batch_invariant
 from app.engine.model import WhisperModel
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class Engine:
         # this machine by `warm_up` (None until then).
         self.batch_invariant: bool | None = None
 
-    def describe(self) -> dict[str, str | int | None]:
+    def describe(self) -> dict[str, str | int | bool | None]:
         """What this engine runs: its models, device, torch threads and dtypes, the encoder's attention
         kernel (timed now if the encoder has not run yet), the decoders' attention, whether the warm-up found
         the main decoder batch-invariant (`app.engine.invariance`) and the instruction set of the draft's
@@ -229,29 +229,39 @@ class Engine:
                     options = DecodingOptions(language="en", use_assistant=use)
                     jobs = [_Job(self.main, tone, options) for _ in range(batch)]
                     self._decode(jobs, [0.0] * batch, inputs.main_cross, inputs, torch.arange(batch))
-            self.check_batch_invariance(encoder_out)
+            self.check_batch_invariance(encoder_out, rows=max(sizes))
         return sizes
 
-    def check_batch_invariance(self, encoder_out: torch.Tensor | None = None) -> bool:
-        """Check whether the main decoder gives a token the same bits however a pass feeds it, on this
-        machine (`app.engine.invariance`); logs and keeps the answer (`batch_invariant`, `describe()`).
+    def check_batch_invariance(self, encoder_out: torch.Tensor | None = None, rows: int = 4) -> bool | None:
+        """Check whether the main decoder gives a token the same bits however a pass of up to `rows` rows
+        feeds it, on this machine (`app.engine.invariance`); logs and keeps the answer (`batch_invariant`,
+        `describe()`). A check that fails to run is logged and leaves None: it is a diagnosis, not a
+        reason to stop serving.
 
         encoder_out: one window's encoder states [1, 1500, D] to read (default: a second of a tone's).
         """
-        with torch.inference_mode():
-            if encoder_out is None:
-                encoder_out = self.main.encode(
-                    _Job(self.main, _tone(), DecodingOptions(language="en")).features()[None]
-                )
-            prompt = self.main.tokenizer.prompt("en", "transcribe")
-            invariant = batch_invariant(self.main.decoder, self.main.decoder.cross_kv(encoder_out), prompt)
+        try:
+            with torch.inference_mode():
+                if encoder_out is None:
+                    features = _Job(self.main, _tone(), DecodingOptions(language="en")).features()[None]
+                    encoder_out = self.main.encode(features)
+                prompt = self.main.tokenizer.prompt("en", "transcribe")
+                cross = self.main.decoder.cross_kv(encoder_out)
+                invariant = decoder_is_batch_invariant(self.main.decoder, cross, prompt, rows)
+        except Exception:
+            log.exception("could not check whether the main decoder is batch-invariant")
+            self.batch_invariant = None
+            return None
+        attention = self.main.decoder.attention_in_use()
         if invariant:
             log.info("the main decoder is batch-invariant here: speculative output is main-only's bit for bit")
         else:
-            log.info(
+            # Expected with torch's attention (GPU, half precision, the sdpa setting); a surprise with ours.
+            log.log(
+                logging.WARNING if attention == "invariant" else logging.INFO,
                 "the main decoder is not batch-invariant here (%s attention, %s): speculative output is"
                 " main-only's token for token wherever no two logits are within rounding of each other",
-                self.main.decoder.attention_in_use(), _dtype_name(self.main.dtype),
+                attention, _dtype_name(self.main.dtype),
             )  # fmt: skip
         self.batch_invariant = invariant
         return invariant

@@ -35,6 +35,15 @@ PUBLIC_PATHS = ("/health/", "/metrics", "/stats", "/static/")
 MULTIPART_OVERHEAD = 64 * 1024
 
 
+def _label(value: str | int | bool | None) -> str:
+    """A Prometheus label value: "" for unknown, "true"/"false" for flags."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
 def _error_response(err: errors.ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=dict(err.headers))
 
@@ -51,7 +60,7 @@ def create_app(settings: Settings | None = None, *, on_fatal: Callable[[str], No
     def on_ready(ready: Ready) -> None:
         metrics.worker_up.set(1)
         metrics.model_load_seconds.set(ready.load_seconds)
-        metrics.engine.info({key: "" if value is None else str(value) for key, value in ready.engine.items()})
+        metrics.engine.info({key: _label(value) for key, value in ready.engine.items()})
         metrics.mode_cost.clear()  # a restarted worker measures afresh
 
     @asynccontextmanager

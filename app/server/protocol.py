@@ -60,7 +60,7 @@ class Ready:
     """The worker loaded its models and warmed up; `engine` is `Engine.describe()`."""
 
     load_seconds: float
-    engine: dict[str, str | int | None]
+    engine: dict[str, str | int | bool | None]
 
     @property
     def model(self) -> str:
