@@ -300,10 +300,11 @@ class TextDecoder(nn.Module):
         kv_len = int(positions.max()) + 1
         head_dim = self.d_model // self.n_heads
         write_index = write.view(b, 1, s, 1).expand(b, self.n_heads, s, head_dim)
+        lengths = positions + 1  # the keys each token sees
         for i, layer in enumerate(self.layers):
             x = layer(
                 x,
-                positions + 1,
+                lengths,
                 write_index,
                 cache.keys[i],
                 cache.values[i],

@@ -77,10 +77,7 @@ class PackedLinear(nn.Module):
     def add(self, x: Tensor, residual: Tensor) -> Tensor:
         """residual + x W^T + b with the sum done inside the kernel (`residual` has the output's shape)."""
         product = torch.ops.mkldnn._linear_pointwise.binary
-        if x.numel() != x.shape[-1]:
-            return product(x, residual, self.packed, self.bias, "add")
-        pair = product(_doubled(x), _doubled(residual), self.packed, self.bias, "add")
-        return pair[:1].view(residual.shape)
+        return _rows_alike(lambda t, r: product(t, r, self.packed, self.bias, "add"), x, residual)
 
     def to_linear(self) -> nn.Linear:
         linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
@@ -103,12 +100,13 @@ class PackedLinear(nn.Module):
 
 
 def _doubled(x: Tensor) -> Tensor:
-    """A one-row input [..., 1, K] as two copies of its row, [2, K]."""
+    """A one-row tensor [..., 1, K] as two copies of its row, [2, K]."""
     return x.reshape(1, -1).expand(2, -1).contiguous()
 
 
-def _rows_alike(product: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
-    """product(x), where a lone row of x gets the same bits it gets among other rows.
+def _rows_alike(product: Callable[..., Tensor], x: Tensor, *alongside: Tensor) -> Tensor:
+    """product(x, *alongside), where a lone row of x gets the same bits it gets among other rows
+    (`alongside`: inputs with a row per row of x, such as a residual, doubled with it).
 
     oneDNN splits the sum of a one-row product with a long input (Whisper's fc2, 2048 inputs) across
     threads, so a row alone comes out ~1e-7 off what the same row gives in a product of two or more
@@ -118,8 +116,8 @@ def _rows_alike(product: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     a one-row product does not already pay in reading the weight.
     """
     if x.numel() != x.shape[-1]:
-        return product(x)
-    out = product(_doubled(x))
+        return product(x, *alongside)
+    out = product(_doubled(x), *(_doubled(t) for t in alongside))
     return out[:1].view(*x.shape[:-1], out.shape[-1])
 
 

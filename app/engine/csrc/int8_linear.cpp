@@ -218,12 +218,17 @@ void layer_norm(const float* x, const float* w, const float* b, int64_t d, float
   for (int64_t i = 0; i < d; ++i) y[i] = (x[i] - mean) * inv * w[i] + b[i];
 }
 
-void attend(const Ops& with, const float* q, const at::Tensor& keys, const at::Tensor& values, int64_t len,
-            int64_t heads, float* out) {
+// What both attention entries need of their keys/values: one type, fp32 or bfloat16, Dh contiguous.
+void check_keys_values(const at::Tensor& keys, const at::Tensor& values) {
   TORCH_CHECK(keys.scalar_type() == values.scalar_type(), "attention: keys and values of one type");
   TORCH_CHECK(keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16,
               "attention: fp32 or bfloat16 keys/values");
   TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "attention: head dimension must be contiguous");
+}
+
+void attend(const Ops& with, const float* q, const at::Tensor& keys, const at::Tensor& values, int64_t len,
+            int64_t heads, float* out) {
+  check_keys_values(keys, values);
   with.attend(q, keys, values, len, heads, out);
 }
 
@@ -235,10 +240,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "attention: q must be fp32 [B, S, D]");
   TORCH_CHECK(keys.dim() == 4 && values.dim() == 4 && keys.sizes() == values.sizes(),
               "attention: keys and values must be [B, H, T, Dh] alike");
-  TORCH_CHECK(keys.scalar_type() == values.scalar_type(), "attention: keys and values of one type");
-  TORCH_CHECK(keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16,
-              "attention: fp32 or bfloat16 keys/values");
-  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "attention: head dimension must be contiguous");
+  check_keys_values(keys, values);
   const int64_t rows = q.size(0), steps = q.size(1);
   TORCH_CHECK(keys.size(0) == rows && keys.size(1) * keys.size(3) == q.size(2), "attention: q does not match keys");
   TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.dim() == 2 && lengths.size(0) == rows &&
