@@ -17,6 +17,7 @@ of its passes on the prompt and end-of-text), so a few short clips could decide 
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -51,35 +52,47 @@ class Estimate:
 
 @dataclass
 class _Rate:
-    """Seconds per plain pass as a ratio of exponentially decayed sums (a new batch weighs `weight`).
+    """Seconds per plain pass of one mode at one batch size, from its last `window` batches.
 
-    Unless `warm`, the first batch is set aside: the first batch of a mode at a batch size pays
-    one-off costs (wider caches, new shapes), which made it read up to three times slower than the
-    next ones. `warm`: those costs were paid before the first request (the worker's warm-up).
+    From three batches on, the median of their rates (weighted by their plain passes), so that a
+    batch slowed by something else on the machine does not move the estimate; before that, the
+    rate of their sums. Unless `warm`, the first batch is set aside: the first batch of a mode at a
+    batch size pays one-off costs (wider caches, new shapes), which made it read up to three times
+    slower than the next ones. `warm`: those costs were paid before the first request (the worker's
+    warm-up).
     """
 
-    weight: float
+    window: int
     warm: bool = False
-    seconds: float = 0.0
-    passes: float = 0.0
+    recent: deque[BatchCost] = field(default_factory=deque)
     seen: int = 0  # batches observed, a set-aside first one included
 
     @property
     def samples(self) -> int:
         """Batches in the estimate."""
-        return self.seen if self.warm else max(0, self.seen - 1)
+        return len(self.recent)
 
     def add(self, cost: BatchCost) -> None:
         self.seen += 1
-        if self.samples == 0:
+        if self.seen == 1 and not self.warm:
             return
-        keep = 1 - self.weight if self.samples > 1 else 0.0
-        self.seconds = keep * self.seconds + cost.seconds
-        self.passes = keep * self.passes + cost.plain_passes
+        self.recent.append(cost)
+        if len(self.recent) > self.window:
+            self.recent.popleft()
 
     @property
     def value(self) -> float:
-        return self.seconds / self.passes if self.passes > 0 else 0.0
+        if not self.recent:
+            return 0.0
+        if len(self.recent) < 3:
+            return sum(c.seconds for c in self.recent) / sum(c.plain_passes for c in self.recent)
+        ranked = sorted(self.recent, key=lambda c: c.seconds / c.plain_passes)
+        half, passes = sum(c.plain_passes for c in ranked) / 2, 0
+        for cost in ranked:
+            passes += cost.plain_passes
+            if passes >= half:
+                return cost.seconds / cost.plain_passes
+        raise AssertionError("unreachable: the passes add up to more than half of their sum")
 
 
 @dataclass
@@ -89,9 +102,14 @@ class ModePolicy:
     warmup: batches of each mode measured at a batch size (after a set-aside first one) before its
         estimates are trusted. A batch size seen for the first time borrows the verdict of the
         nearest trusted size, then measures both modes.
-    explore_every: once trusted, every n-th batch at a size runs the mode that lost (every 4n-th when
-        it lost by more than `clear_margin`), so the estimates follow content and load.
-    weight: weight of a new batch in its mode's estimate (older batches fade geometrically).
+    explore_every: once trusted, one batch in n at a size runs the mode that lost (one in 4n when it
+        lost by more than `clear_margin`), so the estimates follow content and load. A verdict that no
+        other batch size backs (the nearest trusted size, if any, found the other mode cheaper) is
+        re-checked sooner while the loser's estimate rests on fewer than three batches: the loser
+        runs again 2 and then 4 batches after its last one. A single batch that read slow (the
+        machine busy with something else) would otherwise hand the verdict to the other mode for
+        4n batches.
+    window: the batches per mode and size that its estimate is taken from (the latest ones).
     warmed: batch sizes at which both modes already ran before the first request (the worker warms
         up at one row and at its largest batch), so that their first batches need not be set aside.
     """
@@ -100,19 +118,20 @@ class ModePolicy:
     warmup: int = 1
     explore_every: int = 10
     clear_margin: float = 1.25
-    weight: float = 0.2
+    window: int = 8
     warmed: frozenset[int] = frozenset()
     _rates: dict[tuple[Mode, int], _Rate] = field(default_factory=dict)
     _batches: dict[int, int] = field(default_factory=dict)
+    _last_run: dict[tuple[Mode, int], int] = field(default_factory=dict)  # batch index it last ran at
 
     def __post_init__(self) -> None:
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation must be one of {SPECULATION_MODES}, not {self.speculation!r}")
-        if self.warmup < 1 or self.explore_every < 2 or not 0 < self.weight <= 1 or self.clear_margin < 1:
-            raise ValueError("need warmup >= 1, explore_every >= 2, 0 < weight <= 1 and clear_margin >= 1")
+        if self.warmup < 1 or self.explore_every < 2 or self.window < 1 or self.clear_margin < 1:
+            raise ValueError("need warmup >= 1, explore_every >= 2, window >= 1 and clear_margin >= 1")
 
     def rate(self, mode: Mode, batch: int) -> _Rate:
-        return self._rates.setdefault((mode, batch), _Rate(self.weight, warm=batch in self.warmed))
+        return self._rates.setdefault((mode, batch), _Rate(self.window, warm=batch in self.warmed))
 
     def _trusted(self, batch: int) -> bool:
         return all(self.rate(mode, batch).samples >= self.warmup for mode in MODES)
@@ -132,17 +151,30 @@ class ModePolicy:
             return "plain"
         n = self._batches.get(batch, 0)
         self._batches[batch] = n + 1
+        mode = self._pick(batch, n)
+        self._last_run[mode, batch] = n
+        return mode
+
+    def _pick(self, batch: int, n: int) -> Mode:
+        """The mode for the n-th batch (from 0) at `batch` rows."""
         if not self._trusted(batch):
             counts = {mode: self.rate(mode, batch).seen for mode in MODES}
-            known = sorted((abs(b - batch), b) for (_, b) in self._rates if b != batch and self._trusted(b))
-            if known and not any(counts.values()):
-                return self._verdict(known[0][1])[0]
+            borrowed = self._nearest_verdict(batch)
+            if borrowed is not None and not any(counts.values()):
+                return borrowed
             return min(MODES, key=lambda mode: counts[mode])  # ties: speculative first
         best, margin = self._verdict(batch)
+        loser: Mode = "plain" if best == "speculative" else "speculative"
         period = self.explore_every * (4 if margin > self.clear_margin else 1)
-        if n % period == period - 1:
-            return "plain" if best == "speculative" else "speculative"
-        return best
+        young = self.rate(loser, batch).samples
+        if young < 3 and self._nearest_verdict(batch) in (None, loser):
+            period = min(period, 2**young)
+        return loser if n - self._last_run.get((loser, batch), -1) > period else best
+
+    def _nearest_verdict(self, batch: int) -> Mode | None:
+        """The cheaper mode at the nearest other trusted batch size (None: there is none)."""
+        known = sorted((abs(b - batch), b) for (_, b) in self._rates if b != batch and self._trusted(b))
+        return self._verdict(known[0][1])[0] if known else None
 
     def observe(self, mode: Mode, batch: int, cost: BatchCost) -> None:
         """Record a finished batch of `batch` rows decoded in `mode`."""
