@@ -169,7 +169,7 @@ class ModePolicy:
         young = self.rate(loser, batch).samples
         if young < 3 and self._nearest_verdict(batch) in (None, loser):
             period = min(period, 2**young)
-        return loser if n - self._last_run.get((loser, batch), -1) > period else best
+        return loser if n - self._last_run.get((loser, batch), -1) >= period else best
 
     def _nearest_verdict(self, batch: int) -> Mode | None:
         """The cheaper mode at the nearest other trusted batch size (None: there is none)."""
