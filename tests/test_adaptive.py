@@ -134,6 +134,8 @@ def test_fixed_modes_and_validation() -> None:
     assert run(ModePolicy("never"), 1, {"speculative": 0.1, "plain": 1.0}, 5) == ["plain"] * 5
     with pytest.raises(ValueError, match="speculation"):
         ModePolicy("sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="window"):
+        ModePolicy(window=2)  # a median needs three batches; the young-verdict re-checks would never end
     snapshot = ModePolicy().snapshot()
     assert snapshot == {}
 

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Literal
 
 Mode = Literal["speculative", "plain"]
 Speculation = Literal["adaptive", "always", "never"]
 SPECULATION_MODES: tuple[str, ...] = ("adaptive", "always", "never")
 MODES: tuple[Mode, Mode] = ("speculative", "plain")
+# Batches from which an estimate is their median; until then a verdict no other size backs is re-checked soon.
+MEDIAN_FROM = 3
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ class Estimate:
 class _Rate:
     """Seconds per plain pass of one mode at one batch size, from its last `window` batches.
 
-    From three batches on, the median of their rates (weighted by their plain passes), so that a
+    From MEDIAN_FROM batches on, the median of their rates (weighted by their plain passes), so that a
     batch slowed by something else on the machine does not move the estimate; before that, the
     rate of their sums. Unless `warm`, the first batch is set aside: the first batch of a mode at a
     batch size pays one-off costs (wider caches, new shapes), which made it read up to three times
@@ -84,15 +87,11 @@ class _Rate:
     def value(self) -> float:
         if not self.recent:
             return 0.0
-        if len(self.recent) < 3:
+        if len(self.recent) < MEDIAN_FROM:
             return sum(c.seconds for c in self.recent) / sum(c.plain_passes for c in self.recent)
-        ranked = sorted(self.recent, key=lambda c: c.seconds / c.plain_passes)
-        half, passes = sum(c.plain_passes for c in ranked) / 2, 0
-        for cost in ranked:
-            passes += cost.plain_passes
-            if passes >= half:
-                return cost.seconds / cost.plain_passes
-        raise AssertionError("unreachable: the passes add up to more than half of their sum")
+        rates = sorted((c.seconds / c.plain_passes, c.plain_passes) for c in self.recent)
+        cumulative = list(accumulate(passes for _, passes in rates))
+        return next(rate for (rate, _), upto in zip(rates, cumulative, strict=True) if upto >= cumulative[-1] / 2)
 
 
 @dataclass
@@ -105,7 +104,7 @@ class ModePolicy:
     explore_every: once trusted, one batch in n at a size runs the mode that lost (one in 4n when it
         lost by more than `clear_margin`), so the estimates follow content and load. A verdict that no
         other batch size backs (the nearest trusted size, if any, found the other mode cheaper) is
-        re-checked sooner while the loser's estimate rests on fewer than three batches: the loser
+        re-checked sooner while the loser's estimate rests on fewer than MEDIAN_FROM batches: the loser
         runs again 2 and then 4 batches after its last one. A single batch that read slow (the
         machine busy with something else) would otherwise hand the verdict to the other mode for
         4n batches.
@@ -127,8 +126,15 @@ class ModePolicy:
     def __post_init__(self) -> None:
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation must be one of {SPECULATION_MODES}, not {self.speculation!r}")
-        if self.warmup < 1 or self.explore_every < 2 or self.window < 1 or self.clear_margin < 1:
-            raise ValueError("need warmup >= 1, explore_every >= 2, window >= 1 and clear_margin >= 1")
+        if (
+            self.warmup < 1
+            or self.explore_every < 2
+            or self.window < max(self.warmup, MEDIAN_FROM)
+            or self.clear_margin < 1
+        ):
+            raise ValueError(
+                f"need warmup >= 1, explore_every >= 2, window >= warmup and >= {MEDIAN_FROM}, and clear_margin >= 1"
+            )
 
     def rate(self, mode: Mode, batch: int) -> _Rate:
         return self._rates.setdefault((mode, batch), _Rate(self.window, warm=batch in self.warmed))
@@ -167,7 +173,7 @@ class ModePolicy:
         loser: Mode = "plain" if best == "speculative" else "speculative"
         period = self.explore_every * (4 if margin > self.clear_margin else 1)
         young = self.rate(loser, batch).samples
-        if young < 3 and self._nearest_verdict(batch) in (None, loser):
+        if young < MEDIAN_FROM and self._nearest_verdict(batch) in (None, loser):
             period = min(period, 2**young)
         return loser if n - self._last_run.get((loser, batch), -1) >= period else best
 
