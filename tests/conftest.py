@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.audio import load_audio
-from app.engine.model import WhisperModel
+from app.api.audio import load_audio
+from app.model.whisper import WhisperModel
 from app.settings import default_models_dir
 from app.store.catalog import ModelStore
 from app.store.loader import load_model

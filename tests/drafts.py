@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from app.engine.draft import DecoderDrafter, DraftLength
-from app.engine.model import WhisperModel
+from app.engine.drafting.base import DecoderDrafter, DraftLength
+from app.engine.drafting.int8 import int8_draft_decoder
+from app.model.whisper import WhisperModel
 
 
 def _add_noise(module: nn.Module, sigma: float, seed: int) -> None:
@@ -26,7 +27,7 @@ def noisy_self_draft(
     """The int8 self-draft of a main decoder whose layer weights got Gaussian noise (relative `sigma`)."""
     decoder = copy.deepcopy(main.decoder)
     _add_noise(decoder.layers, sigma, seed)
-    return DecoderDrafter(f"noisy-self-draft({sigma})", decoder.quantized_copy(), "main-cross", length=length)
+    return DecoderDrafter(f"noisy-self-draft({sigma})", int8_draft_decoder(decoder), "main-cross", length=length)
 
 
 def decoder_only_checkpoint(base_dir: Path, into: Path, sigma: float) -> Path:

@@ -6,7 +6,7 @@ import re
 
 import httpx
 
-from app.server.process import ServerProcess, free_port
+from app.tools.process import ServerProcess, free_port
 
 __all__ = ["ServerProcess", "free_port", "metric"]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from app.engine.adaptive import BatchCost, ModePolicy
+from app.server.worker.policy import BatchCost, ModePolicy
 
 
 def run(policy: ModePolicy, batch: int, cost: dict[str, float], batches: int) -> list[str]:

@@ -8,12 +8,12 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from app.engine.assistant import model_draft, same_encoder, self_draft
-from app.engine.interface import DecodingOptions, InvalidRequestError
-from app.engine.model import WhisperModel
-from app.engine.tokenizer import VocabularyMismatchError
-from app.engine.transcriber import Engine
-from app.runtime import build_engine
+from app.api.types import DecodingOptions, InvalidRequestError
+from app.engine.build import build_engine
+from app.engine.drafting.assistants import model_draft, same_encoder, self_draft
+from app.engine.engine import Engine
+from app.model.tokenizer import VocabularyMismatchError
+from app.model.whisper import WhisperModel
 from app.settings import Settings
 from app.store.catalog import ModelStore
 from app.store.loader import load_model

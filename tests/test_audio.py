@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from app.audio import SAMPLE_RATE, AudioError, AudioTooLongError, decode_audio, load_audio
+from app.api.audio import SAMPLE_RATE, AudioError, AudioTooLongError, decode_audio, load_audio
 
 
 def _encode(samples: np.ndarray, rate: int, container: str, codec: str) -> bytes:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from app.bench import select_clips
-from app.engine.native import cpu_runs_kernel, kernel_isa
+from app.model.native import cpu_runs_kernel, kernel_isa
+from app.tools.bench import select_clips
 
 
 def test_bench_reports_identical_tokens_and_ratios(benchdata: Path, tmp_path: Path) -> None:

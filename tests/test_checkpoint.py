@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from app.engine.model import WhisperModel
-from app.engine.weights import WhisperDims
+from app.model.weights import WhisperDims
+from app.model.whisper import WhisperModel
 from app.store.catalog import ModelNotFoundError, ModelStore
 from app.store.checkpoint import CheckpointError, HubUnreachableError
 from app.store.loader import is_settings_error, load_model
@@ -263,8 +263,8 @@ def test_loading_a_model_and_transcribing_does_not_import_transformers(base_dir:
     and the package alone (for its mel filterbank) ~1.5 s."""
     code = (
         "import sys; import numpy as np; from pathlib import Path; from app.store.catalog import ModelStore; "
-        "from app.store.loader import load_model; from app.engine.assistant import self_draft; "
-        "from app.engine.interface import DecodingOptions; from app.engine.transcriber import Engine; "
+        "from app.store.loader import load_model; from app.engine.drafting.assistants import self_draft; "
+        "from app.api.types import DecodingOptions; from app.engine.engine import Engine; "
         f"model = load_model({str(base_dir)!r}, ModelStore(Path({str(base_dir.parent)!r})), progress=False); "
         "Engine(model, self_draft(model)).transcribe([np.zeros(16000, np.float32)], [DecodingOptions(language='en')]); "
         "print(sorted(m for m in sys.modules if m.startswith(('transformers', 'torch._dynamo'))))"

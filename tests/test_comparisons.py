@@ -7,10 +7,10 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from app.comparisons import FasterWhisper, HFGenerate
-from app.engine.interface import DecodingOptions
-from app.engine.model import WhisperModel
-from app.engine.transcriber import Engine
+from app.api.types import DecodingOptions
+from app.engine.engine import Engine
+from app.model.whisper import WhisperModel
+from app.tools.comparisons import FasterWhisper, HFGenerate
 
 CLIP = "whisper/jfk"
 

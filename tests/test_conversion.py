@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from app.engine.interface import DecodingOptions
-from app.engine.transcriber import Engine
+from app.api.types import DecodingOptions
+from app.engine.engine import Engine
 from app.store.catalog import EMBEDDED, ModelNotFoundError, ModelStore
 from app.store.convert import convert_ct2
 from app.store.ct2 import read_ct2

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.engine.batch import DecoderState
-from app.engine.kernels import DecoderAttention
-from app.engine.model import WhisperModel
-from app.engine.native import cpu_runs_kernel
+from app.engine.decoding.batch import DecoderState
+from app.model.kernels import DecoderAttention
+from app.model.native import cpu_runs_kernel
+from app.model.whisper import WhisperModel
 
 
 @pytest.mark.parametrize("attention", ["invariant", "sdpa"])

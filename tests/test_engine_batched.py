@@ -8,11 +8,11 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from app.engine.assistant import self_draft
-from app.engine.draft import Drafter
-from app.engine.interface import DecodingOptions, Transcription
-from app.engine.model import WhisperModel
-from app.engine.transcriber import Engine
+from app.api.types import DecodingOptions, Transcription
+from app.engine.drafting.assistants import self_draft
+from app.engine.drafting.base import Drafter
+from app.engine.engine import Engine
+from app.model.whisper import WhisperModel
 from tests.drafts import noisy_self_draft
 
 # (clip, options) requests of different lengths, languages, tasks, prompts and timestamp modes.
@@ -135,9 +135,9 @@ def test_warm_up_leaves_no_trace(base: WhisperModel, clip: Callable, drafters: d
 def test_a_request_the_engine_refuses_fails_alone(base: WhisperModel, clip: Callable, drafters: dict) -> None:
     """The worker's batch runner checks each request: an empty clip or an unknown language fails with
     its reason, and the batch's other request is transcribed as it would be alone."""
-    from app.engine.adaptive import ModePolicy
-    from app.server.protocol import BatchRequest, Job
-    from app.server.worker import BatchRunner
+    from app.server.worker.policy import ModePolicy
+    from app.server.worker.process import BatchRunner
+    from app.server.worker.protocol import BatchRequest, Job
 
     engine = Engine(base, drafters["self-draft"])
     runner = BatchRunner(engine, ModePolicy(), send=lambda message: None)
@@ -158,7 +158,7 @@ def test_words_of_a_window_one_frame_long(base: WhisperModel, clip: Callable) ->
     """Seeking moves two mel frames at a time, so a clip can end in a 1-frame window; if that window
     yields text, its words are aligned to its one audio position instead of failing the batch."""
     from app.engine.alignment import align_words
-    from app.engine.features import log_mel
+    from app.model.features import log_mel
 
     features = log_mel(clip("whisper/jfk"), base.n_mels, padding=480_000)[:, :3000].unsqueeze(0)
     cross = base.decoder.cross_kv(base.encode(features))

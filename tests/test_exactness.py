@@ -12,18 +12,18 @@ import numpy as np
 import pytest
 import torch
 
-from app.bench import error_rate
-from app.engine.assistant import model_draft, self_draft
-from app.engine.batch import DecoderState, Row
-from app.engine.draft import DecoderDrafter, Drafter, DraftInputs, Drafts, DraftSession
-from app.engine.features import N_SAMPLES, log_mel, window
-from app.engine.interface import DecodingOptions, Transcription
+from app.api.types import DecodingOptions, Transcription
+from app.engine.decoding.batch import DecoderState, Row
+from app.engine.drafting.assistants import model_draft, self_draft
+from app.engine.drafting.base import DecoderDrafter, Drafter, DraftInputs, Drafts, DraftSession
+from app.engine.engine import Engine
 from app.engine.invariance import decoder_is_batch_invariant
-from app.engine.model import WhisperModel
-from app.engine.native import cpu_runs_kernel
-from app.engine.transcriber import Engine
+from app.model.features import N_SAMPLES, log_mel, window
+from app.model.native import cpu_runs_kernel
+from app.model.whisper import WhisperModel
 from app.store.catalog import ModelStore
 from app.store.loader import load_model
+from app.tools.bench import error_rate
 from tests.conftest import needs_native
 from tests.drafts import (
     decoder_only_checkpoint,
@@ -136,7 +136,7 @@ def test_random_init_draft_is_exact(
 def test_fixed_draft_lengths_are_exact(
     draft_tokens: int, base: WhisperModel, greedy: dict[str, list[int]], clip: Callable
 ) -> None:
-    from app.engine.draft import DraftLength
+    from app.engine.drafting.base import DraftLength
 
     length = DraftLength(initial=draft_tokens, maximum=max(draft_tokens, 1), adaptive=False)
     tokens, _ = _speculative(Engine(base, noisy_self_draft(base, 0.3, length=length)), clip, FEW)

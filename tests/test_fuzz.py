@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from app.audio import SAMPLE_RATE, AudioError, AudioTooLongError, decode_audio
+from app.api.audio import SAMPLE_RATE, AudioError, AudioTooLongError, decode_audio
 from tests.server import ServerProcess
 
 CASES = int(os.environ.get("SPECWHISPER_FUZZ_CASES", "400"))

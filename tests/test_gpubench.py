@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.gpubench import MAX_CANDIDATES, SHAPES, predict, run_gpubench
+from app.tools.gpubench import MAX_CANDIDATES, SHAPES, predict, run_gpubench
 
 
 def test_predict_matches_hand_computed_speedups() -> None:

@@ -19,13 +19,13 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from app.engine.batch import DecoderState
-from app.engine.decoder import CrossKV, TextDecoder
-from app.engine.features import N_SAMPLES, log_mel, window
-from app.engine.int8 import Int8Linear, dynamic_int8, int8_twin
-from app.engine.kernels import PackedLinear, packing_available
-from app.engine.model import WhisperModel
-from app.engine.native import cpu_runs_kernel, kernel_extension, kernel_sources
+from app.engine.decoding.batch import DecoderState
+from app.engine.drafting.int8 import Int8Linear, dynamic_int8, int8_draft_decoder, int8_twin
+from app.model.decoder import CrossKV, TextDecoder
+from app.model.features import N_SAMPLES, log_mel, window
+from app.model.kernels import PackedLinear, packing_available
+from app.model.native import cpu_runs_kernel, kernel_extension, kernel_sources
+from app.model.whisper import WhisperModel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,13 +92,13 @@ def test_a_built_package_carries_every_kernel_source(tmp_path: Path) -> None:
     assert build.returncode == 0, build.stderr
     (wheel,) = tmp_path.glob("specwhisper-*.whl")
     packaged = set(zipfile.ZipFile(wheel).namelist())
-    assert {f"app/engine/csrc/{path.name}" for path in sources} <= packaged
+    assert {f"app/model/csrc/{path.name}" for path in sources} <= packaged
 
 
 PROBE = """
 import json, logging, torch
-from app.engine.int8 import Int8Linear, int8_twin
-from app.engine.native import kernel_extension
+from app.engine.drafting.int8 import Int8Linear, int8_twin
+from app.model.native import kernel_extension
 logging.basicConfig(level=logging.WARNING)
 torch.manual_seed(0)
 linear = torch.nn.Linear(512, 1536)
@@ -230,7 +230,7 @@ def test_packed_linears_quantize_like_plain_ones() -> None:
 
 
 def test_without_the_kernel_the_draft_uses_torchs_int8(base: WhisperModel) -> None:
-    draft = base.decoder.quantized_copy(kernel=False)
+    draft = int8_draft_decoder(base.decoder, kernel=False)
     assert not any(isinstance(m, Int8Linear) for m in draft.modules())
     assert all(not isinstance(m, nn.Linear | PackedLinear) for m in draft.layers.modules())
 
@@ -278,8 +278,8 @@ def test_self_draft_runs_on_the_kernel_and_stays_close_to_the_main_decoder(
 ) -> None:
     """Fed a real transcript, the kernel's draft predicts what the fp32 decoder predicts about as often as torch's."""
     tokens, cross = speech
-    fast = base.decoder.quantized_copy(kernel=True)
-    slow = base.decoder.quantized_copy(kernel=False)
+    fast = int8_draft_decoder(base.decoder, kernel=True)
+    slow = int8_draft_decoder(base.decoder, kernel=False)
     kernel_layers = [m for m in fast.modules() if isinstance(m, Int8Linear)]
     main_linears = [m for m in base.decoder.modules() if isinstance(m, nn.Linear | PackedLinear)]
     assert len(kernel_layers) == len(main_linears)  # every product of every layer, and the vocabulary
@@ -297,7 +297,7 @@ def test_lone_row_steps_in_one_call_match_the_module_path(
     """The fused draft step (batch-1 drafting) computes what the module path computes, fed token by
     token or in feeds of 2-3 tokens (what a row gained in a verification), which it runs column by column."""
     tokens, cross = speech
-    draft = base.decoder.quantized_copy(kernel=True)
+    draft = int8_draft_decoder(base.decoder, kernel=True)
     assert draft.token_step is not None
     fused, fused_state = _teacher_forced(draft, tokens, cross, chunks)
     stack, draft.token_step = draft.token_step, None
@@ -324,7 +324,7 @@ def test_one_call_steps_of_a_ragged_batch_match_the_module_path(
     """Rows at different positions, one of them idle for a step (padding), through the one-call step."""
     tokens, cross = speech
     batch = CrossKV([k.expand(3, -1, -1, -1) for k in cross.keys], [v.expand(3, -1, -1, -1) for v in cross.values])
-    draft = base.decoder.quantized_copy(kernel=True)
+    draft = int8_draft_decoder(base.decoder, kernel=True)
     starts = [4, 9, 6]
     results = {}
     for name, step in (("fused", draft.token_step), ("module", None)):

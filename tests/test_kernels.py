@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.engine.encoder import AudioEncoder
-from app.engine.features import N_FFT, N_SAMPLES, SAMPLE_RATE, log_mel, mel_filters, window
-from app.engine.kernels import (
+from app.model.encoder import AudioEncoder
+from app.model.features import N_FFT, N_SAMPLES, SAMPLE_RATE, log_mel, mel_filters, window
+from app.model.kernels import (
     ATTENTION_KERNELS,
     PackedLinear,
     attention,
@@ -25,9 +25,9 @@ from app.engine.kernels import (
     preferred_attention,
     prefix_attention,
 )
-from app.engine.model import WhisperModel
-from app.engine.native import cpu_runs_kernel, kernel_extension
-from app.engine.weights import WhisperDims
+from app.model.native import cpu_runs_kernel, kernel_extension
+from app.model.weights import WhisperDims
+from app.model.whisper import WhisperModel
 
 needs_onednn = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear ops")
 

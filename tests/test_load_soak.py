@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app.loadtest import load_clips, loadtest
+from app.tools.loadtest import load_clips, loadtest
 from tests.server import ServerProcess
 
 

@@ -8,12 +8,12 @@ import numpy as np
 import torch
 from scipy.stats import chi2_contingency
 
-from app.engine.batch import Row
-from app.engine.decoder import TextDecoder
-from app.engine.decoding import decode
-from app.engine.draft import DecoderDrafter, DraftInputs, DraftLength
-from app.engine.logits import LogitRules, SuppressTokens
-from app.engine.model import GenerationConstants, WhisperModel
+from app.engine.decoding.batch import Row
+from app.engine.decoding.logits import LogitRules, SuppressTokens
+from app.engine.drafting.base import DecoderDrafter, DraftInputs, DraftLength
+from app.engine.generate import decode
+from app.model.decoder import TextDecoder
+from app.model.whisper import GenerationConstants, WhisperModel
 
 VOCAB = 51865
 ALLOWED = 12  # tokens 0..11 may be sampled, so that counts fill a small table

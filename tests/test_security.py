@@ -11,7 +11,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from app.server.auth import authorized
+from app.server.http.auth import authorized
 from tests.server import ServerProcess
 
 KEY = "sk-secret-7f3a9c1e5b2d"

@@ -21,7 +21,7 @@ from openai import OpenAI
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
-from app.audio import decode_audio
+from app.api.audio import decode_audio
 from tests.server import ServerProcess, metric
 
 CLIP = "audio/ljspeech/LJ001-0001.wav"
@@ -298,7 +298,7 @@ def test_realtime_bad_events_get_errors_and_others_keep_working(server: ServerPr
 
 def test_the_web_process_never_loads_torch(server: ServerProcess) -> None:
     """After uploads, SSE and live sessions, the web process still holds no torch: the engine's types it
-    uses are plain data (app.engine.interface), and torch belongs to the worker. It had cost every web
+    uses are plain data (app.api.types), and torch belongs to the worker. It had cost every web
     process ~190 MB and ~3 s of start-up."""
     assert server.proc is not None
     maps = Path(f"/proc/{server.proc.pid}/maps").read_text()

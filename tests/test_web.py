@@ -12,7 +12,7 @@ import pytest
 import soundfile as sf
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
-from app.audio import decode_audio
+from app.api.audio import decode_audio
 from tests.conftest import ROOT
 from tests.server import ServerProcess
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, get_args
 
-from app.formats import FORMATS
+from app.api.formats import FORMATS
 from app.settings import DtypeName, Settings
 
 
@@ -90,7 +90,7 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _bench_server(args: argparse.Namespace) -> int:
-    from app.serverbench import run_server_bench
+    from app.tools.serverbench import run_server_bench
 
     # The servers read their settings from the environment: the engine flags go there.
     env = {f"SPECWHISPER_{key.upper()}": str(value) for key, value in _overrides(args).items()}
@@ -115,8 +115,8 @@ def _bench_server(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     if args.concurrency:
         return _bench_server(args)
-    from app.bench import plot, run_bench
-    from app.runtime import build_engine
+    from app.engine.build import build_engine
+    from app.tools.bench import plot, run_bench
 
     settings = _settings(args)
     engine = build_engine(settings, progress=False)
@@ -148,7 +148,7 @@ GPUBENCH_HELP = "per-step draft/verify/main costs with random large-v3 weights"
 
 
 def _gpubench(args: argparse.Namespace) -> int:
-    from app.gpubench import add_arguments, run_cli
+    from app.tools.gpubench import add_arguments, run_cli
 
     # Its options are parsed here, so that no other command (serve above all) loads torch for them.
     parser = argparse.ArgumentParser(prog="python -m app gpubench", description=GPUBENCH_HELP)
@@ -157,7 +157,7 @@ def _gpubench(args: argparse.Namespace) -> int:
 
 
 def _kernels(args: argparse.Namespace) -> int:
-    from app.engine.native import install_portable, kernel_isa, prebuilt_dir
+    from app.model.native import install_portable, kernel_isa, prebuilt_dir
 
     if args.install is not None:
         path = install_portable(Path(args.install) if args.install else prebuilt_dir())
@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     gpu = commands.add_parser("gpubench", help=GPUBENCH_HELP, add_help=False)
     gpu.set_defaults(handler=_gpubench)
 
-    from app import loadtest, soak
+    from app.tools import loadtest, soak
 
     for name, tool, text in (
         ("loadtest", loadtest, "N concurrent clients against a server, every answer checked (JSON report)"),

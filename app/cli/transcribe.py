@@ -9,17 +9,17 @@ from pathlib import Path
 
 import numpy as np
 
-from app.audio import AudioError, load_audio
-from app.engine.interface import (
+from app.api.audio import AudioError, load_audio
+from app.api.formats import to_srt, to_verbose_json, to_vtt
+from app.api.types import (
     FALLBACK_TEMPERATURES,
     DecodingOptions,
     InvalidRequestError,
     TimestampMode,
     Transcription,
 )
-from app.engine.transcriber import Engine
-from app.formats import to_srt, to_verbose_json, to_vtt
-from app.runtime import build_engine
+from app.engine.build import build_engine
+from app.engine.engine import Engine
 from app.settings import Settings
 
 

@@ -7,12 +7,12 @@ import string
 import numpy as np
 import torch
 
-from app.engine.batch import DecoderState
-from app.engine.decoder import CrossKV
-from app.engine.features import TIME_PRECISION
-from app.engine.interface import Word
-from app.engine.model import WhisperModel
-from app.engine.tokenizer import WhisperTokenizer
+from app.api.types import Word
+from app.engine.decoding.batch import DecoderState
+from app.model.decoder import CrossKV
+from app.model.features import TIME_PRECISION
+from app.model.tokenizer import WhisperTokenizer
+from app.model.whisper import WhisperModel
 
 MEDIAN_FILTER_WIDTH = 7
 NO_SPACE_LANGUAGES = {"zh", "ja", "th", "lo", "my", "yue"}

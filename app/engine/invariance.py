@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from app.engine.batch import DecoderState
-from app.engine.decoder import CrossKV, TextDecoder
+from app.engine.decoding.batch import DecoderState
+from app.model.decoder import CrossKV, TextDecoder
 
 # Tokens fed by each row in each pass after the prompt (0: the row sits the pass out). Together they
 # make the widths of real passes: one token (plain steps), a few, and 13 (a long verification), in

@@ -14,20 +14,20 @@ from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.audio import SAMPLE_RATE
-from app.server import errors
-from app.server.auth import authorized, bearer
-from app.server.batcher import Batcher
-from app.server.limits import BodyLimit, ClientGone
+from app.api import errors
+from app.api.audio import SAMPLE_RATE
+from app.server.http.auth import authorized, bearer
+from app.server.http.limits import BodyLimit, ClientGone
+from app.server.http.redact import install as redact_logs
+from app.server.http.routes import router
 from app.server.metrics import ServerMetrics
-from app.server.protocol import Ready
 from app.server.realtime.route import router as realtime_router
-from app.server.redact import install as redact_logs
-from app.server.routes import router
-from app.server.service import TranscriptionService
-from app.server.supervisor import WorkerSupervisor
+from app.server.serving.service import TranscriptionService
 from app.server.web import STATIC
 from app.server.web import router as web_router
+from app.server.worker.batcher import Batcher
+from app.server.worker.protocol import Ready
+from app.server.worker.supervisor import WorkerSupervisor
 from app.settings import Settings
 
 log = logging.getLogger("specwhisper.server")
@@ -66,7 +66,9 @@ def create_app(settings: Settings | None = None, *, on_fatal: Callable[[str], No
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redact_logs(settings.api_keys)  # uvicorn has configured logging by now
-        worker = WorkerSupervisor(settings, on_ready=on_ready, on_batch=metrics.observe_batch, on_fatal=on_fatal)
+        worker = WorkerSupervisor(
+            settings, on_ready=on_ready, on_batch=lambda r: metrics.observe_batch(r.mode, r.costs()), on_fatal=on_fatal
+        )
         batcher = Batcher(
             worker,
             metrics,

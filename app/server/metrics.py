@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
-
-from app.server.protocol import BatchResult
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 300)
 
@@ -78,12 +77,13 @@ class ServerMetrics:
         self.asyncio_tasks.set_function(_task_count)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, ... of the web process
 
-    def observe_batch(self, result: BatchResult) -> None:
-        if result.mode is not None:
-            self.batches.labels(result.mode).inc()
-        for e in result.estimates:
-            if e.samples > 0:
-                self.mode_cost.labels(e.mode, str(e.batch)).set(e.ms_per_plain_pass)
+    def observe_batch(self, mode: str | None, costs: Mapping[tuple[str, int], float]) -> None:
+        """A decoded batch: the mode it ran in (None: no valid row) and the adaptive policy's estimates
+        after it, in ms per plain pass by (mode, batch size)."""
+        if mode is not None:
+            self.batches.labels(mode).inc()
+        for (cost_mode, batch), ms in costs.items():
+            self.mode_cost.labels(cost_mode, str(batch)).set(ms)
 
 
 def _task_count() -> float:

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from app.engine.tokenizer import WhisperTokenizer
+from app.model.tokenizer import WhisperTokenizer
 from app.store.ct2 import CT2Model, hf_config_kwargs, hf_state_dict, read_ct2
 
 HF_WEIGHTS = "model.safetensors"

@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from app.engine.decoder import TextDecoder
-from app.engine.encoder import AudioEncoder
-from app.engine.kernels import pack_linears
-from app.engine.model import GenerationConstants, WhisperModel
-from app.engine.tokenizer import VocabularyMismatchError, WhisperTokenizer
-from app.engine.weights import WhisperDims
+from app.model.decoder import TextDecoder
+from app.model.encoder import AudioEncoder
+from app.model.kernels import pack_linears
+from app.model.tokenizer import VocabularyMismatchError, WhisperTokenizer
+from app.model.weights import WhisperDims
+from app.model.whisper import GenerationConstants, WhisperModel
 from app.store.catalog import EMBEDDED, ModelNotFoundError, ModelStore
 from app.store.checkpoint import (
     CheckpointError,
@@ -105,7 +105,7 @@ def load_model(
         unread = tensors.unread("model.decoder.") + (tensors.unread("model.encoder.") if encoder is not None else [])
         if unread:
             raise CheckpointError(f"{path}: config.json does not account for {len(unread)} tensors, e.g. {unread[0]}")
-    # fp32 on the CPU: every product on oneDNN's kernels with prepacked weights (app/engine/kernels.py).
+    # fp32 on the CPU: every product on oneDNN's kernels with prepacked weights (app/model/kernels.py).
     # Torch's default GEMM streamed the decoder's 1..k-row products, above all the 100 MB vocabulary
     # projection, at a fraction of the memory bandwidth (docs/performance.md).
     pack_linears(decoder)

@@ -10,7 +10,7 @@ import logging
 from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketDisconnect
 
-from app.server.auth import KEY_SUBPROTOCOL, authorized, websocket_token
+from app.server.http.auth import KEY_SUBPROTOCOL, authorized, websocket_token
 from app.server.realtime.session import Closing, RealtimeSession
 
 router = APIRouter()

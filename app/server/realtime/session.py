@@ -28,13 +28,13 @@ from typing import Any, ClassVar
 import numpy as np
 import soxr
 
-from app.audio import SAMPLE_RATE
-from app.server import errors
-from app.server.batcher import Lane
-from app.server.protocol import Job
+from app.api import errors
+from app.api.audio import SAMPLE_RATE
 from app.server.realtime.config import ConfigError, SessionConfig, apply_update
 from app.server.realtime.vad import EnergyVad
-from app.server.service import TranscriptionService
+from app.server.serving.service import TranscriptionService
+from app.server.worker.batcher import Lane
+from app.server.worker.protocol import Job
 from app.settings import Settings
 
 log = logging.getLogger("specwhisper.realtime")

@@ -1,0 +1,163 @@
+"""Thin HTTP routes: parse, call the serving layer, return."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, File, Form, Request, Response, UploadFile
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from app.api import errors
+from app.server.http.limits import unless_disconnected
+from app.server.serving.service import TranscriptionRequest, TranscriptionService
+
+router = APIRouter()
+CREATED = int(time.time())
+
+
+async def sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """Server-sent events framing: one `data:` line of JSON per event."""
+    async for event in events:
+        yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+def _service(request: Request) -> TranscriptionService:
+    return request.app.state.service  # type: ignore[no-any-return]
+
+
+async def _transcription(
+    request: Request,
+    task: str,
+    file: UploadFile | None,
+    model: str | None,
+    language: str | None,
+    prompt: str | None,
+    response_format: str,
+    temperature: float,
+    granularities: list[str] | None,
+    speculative: bool,
+    stream: bool = False,
+) -> Response:
+    if file is None:
+        raise errors.bad_request("An audio file is required in the `file` field.", param="file")
+    if not model:
+        raise errors.bad_request("The `model` field is required.", param="model")
+    data = await file.read()
+    req = TranscriptionRequest(
+        data=data,
+        filename=file.filename,
+        content_type=file.content_type,
+        model=model,
+        task=task,
+        language=language if task == "transcribe" else None,
+        prompt=prompt,
+        response_format=response_format,
+        temperature=temperature,
+        timestamp_granularities=tuple(granularities or ()),
+        speculative=speculative,
+        stream=stream,
+    )
+    if stream:
+        events = await _service(request).transcribe_stream(req, request.state.request_id)
+        return StreamingResponse(sse(events), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    reply = await unless_disconnected(request, _service(request).transcribe(req, request.state.request_id))
+    m = reply.metrics
+    timing = ", ".join(f"{k};dur={m[k + '_ms']}" for k in ("queue", "encode", "decode"))
+    return Response(reply.body, media_type=reply.media_type, headers={"x-timing-detail": timing})
+
+
+FileField = Annotated[UploadFile | None, File()]
+Text = Annotated[str | None, Form()]
+
+
+@router.post("/v1/audio/transcriptions")
+async def transcriptions(
+    request: Request,
+    file: FileField = None,
+    model: Text = None,
+    language: Text = None,
+    prompt: Text = None,
+    response_format: Annotated[str, Form()] = "json",
+    temperature: Annotated[float, Form()] = 0.0,
+    timestamp_granularities: Annotated[list[str] | None, Form(alias="timestamp_granularities[]")] = None,
+    speculative: Annotated[bool, Form()] = True,
+    stream: Annotated[bool, Form()] = False,
+) -> Response:
+    return await _transcription(
+        request,
+        "transcribe",
+        file,
+        model,
+        language,
+        prompt,
+        response_format,
+        temperature,
+        timestamp_granularities,
+        speculative,
+        stream,
+    )
+
+
+@router.post("/v1/audio/translations")
+async def translations(
+    request: Request,
+    file: FileField = None,
+    model: Text = None,
+    prompt: Text = None,
+    response_format: Annotated[str, Form()] = "json",
+    temperature: Annotated[float, Form()] = 0.0,
+    speculative: Annotated[bool, Form()] = True,
+) -> Response:
+    return await _transcription(
+        request, "translate", file, model, None, prompt, response_format, temperature, None, speculative
+    )
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> JSONResponse:
+    ids = _service(request).model_ids
+    data = [{"id": i, "object": "model", "created": CREATED, "owned_by": "specwhisper"} for i in ids]
+    return JSONResponse({"object": "list", "data": data})
+
+
+@router.get("/v1/models/{model_id}")
+async def model(request: Request, model_id: str) -> JSONResponse:
+    if model_id not in _service(request).model_ids:
+        raise errors.model_not_found(model_id)
+    return JSONResponse({"id": model_id, "object": "model", "created": CREATED, "owned_by": "specwhisper"})
+
+
+@router.get("/health/live")
+async def live() -> JSONResponse:
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/health/ready")
+async def ready(request: Request) -> JSONResponse:
+    worker = request.app.state.worker
+    batcher = request.app.state.batcher
+    body = {
+        "ready": worker.is_ready,
+        "model": worker.ready.model if worker.ready else None,
+        "assistant": worker.ready.assistant if worker.ready else None,
+        "engine": worker.ready.engine if worker.ready else None,
+        "queue_depth": batcher.depth,
+        "worker_restarts": worker.restarts,
+        "worker_pid": worker.pid,
+    }
+    if worker.failure is not None:
+        body["error"] = worker.failure
+    return JSONResponse(body, status_code=200 if worker.is_ready else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> PlainTextResponse:
+    m = request.app.state.metrics
+    m.queue_depth.set(request.app.state.batcher.depth)
+    m.worker_up.set(1 if request.app.state.worker.is_ready else 0)
+    m.worker_restarts.set(request.app.state.worker.restarts)
+    return PlainTextResponse(generate_latest(m.registry).decode(), media_type=CONTENT_TYPE_LATEST)

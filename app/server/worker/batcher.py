@@ -1,0 +1,215 @@
+"""The request queue: collects requests into batches of up to `max_batch` and feeds the worker.
+
+Three lanes keep live latency low without starving uploads: a finished live utterance goes
+first, then uploads, then live partials (re-transcriptions of an utterance still being
+spoken). A partial that has waited longer than `partial_max_wait_s` is taken before uploads
+so that live text keeps moving under upload load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import functools
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from app.api.types import Segment
+from app.server.metrics import ServerMetrics
+from app.server.worker.protocol import Job, JobResult, Progress
+from app.server.worker.supervisor import WorkerSupervisor, WorkerUnavailable
+
+log = logging.getLogger("specwhisper.batcher")
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+class ShuttingDown(RuntimeError):
+    pass
+
+
+class Lane(enum.IntEnum):
+    LIVE_FINAL = 0
+    UPLOAD = 1
+    LIVE_PARTIAL = 2
+
+
+@dataclass
+class Pending:
+    job: Job
+    future: asyncio.Future[JobResult]
+    lane: Lane = Lane.UPLOAD
+    progress: asyncio.Queue[list[Segment]] | None = None  # segments of a streaming job, as they come
+    enqueued: float = field(default_factory=time.perf_counter)
+    dispatched: float = 0.0
+
+
+class Batcher:
+    """Bounded, laned queue in front of the worker; one batch runs at a time."""
+
+    def __init__(
+        self,
+        worker: WorkerSupervisor,
+        metrics: ServerMetrics,
+        max_batch: int,
+        window_s: float,
+        queue_size: int,
+        partial_max_wait_s: float = 1.0,
+        max_queued_samples: int | None = None,
+    ) -> None:
+        self.worker = worker
+        self.metrics = metrics
+        self.max_batch = max_batch
+        self.window_s = window_s
+        self.queue_size = queue_size
+        self.partial_max_wait_s = partial_max_wait_s
+        self.max_queued_samples = max_queued_samples
+        self.lanes: dict[Lane, deque[Pending]] = {lane: deque() for lane in Lane}
+        self.inflight = 0
+        self.batch_seconds = 1.0  # moving average of a batch's run time: what a 429's Retry-After is based on
+        self._arrived = asyncio.Event()
+        self._closed = False
+        self._task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Future[None]] = set()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="batcher")
+
+    def retry_after(self) -> int:
+        """Seconds until the queue has likely moved on by one batch beyond its current depth (1..60)."""
+        batches = self.depth / max(1, self.max_batch) + 1
+        return max(1, min(60, math.ceil(batches * self.batch_seconds)))
+
+    @property
+    def depth(self) -> int:
+        return sum(len(q) for q in self.lanes.values())
+
+    @property
+    def queued_samples(self) -> int:
+        return sum(p.job.audio.size for q in self.lanes.values() for p in q if not p.future.done())
+
+    def submit(self, job: Job, lane: Lane = Lane.UPLOAD) -> Pending:
+        if self._closed:
+            raise ShuttingDown("the server is shutting down")
+        self.worker.check_ready()
+        # A finished utterance may use the last slots; uploads and partials leave room for it.
+        limit = self.queue_size if lane is Lane.LIVE_FINAL else max(1, self.queue_size - self.max_batch)
+        if self.depth >= limit:
+            raise QueueFull
+        # The queue holds decoded audio (4 bytes a sample); a long file waits only where it fits.
+        budget = self.max_queued_samples
+        if budget is not None and self.depth and self.queued_samples + job.audio.size > budget:
+            raise QueueFull
+        progress: asyncio.Queue[list[Segment]] | None = asyncio.Queue() if job.stream else None
+        pending = Pending(job, asyncio.get_running_loop().create_future(), lane, progress)
+        self.lanes[lane].append(pending)
+        self._arrived.set()
+        self.metrics.queue_depth.set(self.depth)
+        return pending
+
+    def _take(self) -> Pending | None:
+        """The next request by lane priority; cancelled requests are dropped before they cost work."""
+        for q in self.lanes.values():
+            while q and q[0].future.done():
+                q.popleft()
+                self.metrics.queue_dropped.inc()
+        partials = self.lanes[Lane.LIVE_PARTIAL]
+        if partials and time.perf_counter() - partials[0].enqueued > self.partial_max_wait_s:
+            return partials.popleft()
+        for lane in Lane:
+            if self.lanes[lane]:
+                return self.lanes[lane].popleft()
+        return None
+
+    async def _collect(self) -> list[Pending]:
+        while (first := self._take()) is None:
+            self._arrived.clear()
+            await self._arrived.wait()
+        batch = [first]
+        deadline = time.perf_counter() + self.window_s
+        while len(batch) < self.max_batch:
+            item = self._take()
+            if item is None:
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    break
+                self._arrived.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._arrived.wait(), remaining)
+                continue
+            batch.append(item)
+        self.metrics.queue_depth.set(self.depth)
+        return batch
+
+    def _on_progress(self, by_id: dict[str, Pending], message: Progress) -> None:
+        pending = by_id.get(message.request_id)
+        if pending is not None and pending.progress is not None:
+            pending.progress.put_nowait(message.segments)
+
+    def _cancel_when_abandoned(self, pending: Pending) -> None:
+        """A running job whose client leaves (or times out) is stopped in the worker at its next window."""
+
+        def on_done(future: asyncio.Future[JobResult]) -> None:
+            if future.cancelled() and self.inflight:
+                task = asyncio.ensure_future(self.worker.cancel(pending.job.request_id))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+        pending.future.add_done_callback(on_done)
+
+    async def _loop(self) -> None:
+        while True:
+            collected = await self._collect()
+            batch = [p for p in collected if not p.future.done()]  # a client may leave while a batch fills
+            self.metrics.queue_dropped.inc(len(collected) - len(batch))
+            if not batch:
+                continue
+            now = time.perf_counter()
+            for p in batch:
+                p.dispatched = now
+                self._cancel_when_abandoned(p)
+            self.inflight = len(batch)
+            self.metrics.batch_size.observe(len(batch))
+            streaming = {p.job.request_id: p for p in batch if p.progress is not None}
+            try:
+                results = await self.worker.run([p.job for p in batch], functools.partial(self._on_progress, streaming))
+                self.batch_seconds = 0.8 * self.batch_seconds + 0.2 * (time.perf_counter() - now)
+            except WorkerUnavailable as exc:
+                for p in batch:
+                    if not p.future.done():
+                        p.future.set_exception(WorkerUnavailable(str(exc)))
+            except Exception as exc:  # never let one batch stop the loop
+                log.exception("batch failed")
+                for p in batch:
+                    if not p.future.done():
+                        p.future.set_exception(exc)
+            else:
+                for p, r in zip(batch, results, strict=True):
+                    if not p.future.done():
+                        p.future.set_result(r)
+                    elif r.transcription is not None and r.transcription.finish == "cancelled":
+                        self.metrics.running_cancelled.inc()
+            finally:
+                self.inflight = 0
+
+    async def drain(self, timeout: float) -> None:
+        """Stop accepting; wait for queued and running work up to `timeout`."""
+        self._closed = True
+        deadline = time.monotonic() + timeout
+        while (self.depth or self.inflight) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for q in self.lanes.values():
+            while q:
+                p = q.popleft()
+                if not p.future.done():
+                    p.future.set_exception(ShuttingDown("the server shut down before this request ran"))

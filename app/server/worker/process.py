@@ -1,0 +1,214 @@
+"""The worker process: loads the models once, keeps them resident, runs batches from the web process."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
+
+from app.api.types import InvalidRequestError, Segment
+from app.engine.heap import heap_trimmer
+from app.server.worker.policy import BatchCost, Mode, ModePolicy
+from app.server.worker.protocol import (
+    BatchRequest,
+    BatchResult,
+    Cancel,
+    Heartbeat,
+    Job,
+    JobResult,
+    LoadFailed,
+    Progress,
+    Ready,
+)
+from app.settings import Settings
+
+if TYPE_CHECKING:  # the web process imports this module for `worker_main`, and must not load torch
+    from app.engine.engine import Engine
+
+log = logging.getLogger("specwhisper.worker")
+
+IDLE_BEFORE_TRIM_S = 0.25  # under load the next batch comes sooner, so a busy worker never trims
+HEARTBEAT_S = 1.0
+
+
+class BatchRunner:
+    """Runs one batch at a time: validation, the speculative/plain choice, streaming progress, error isolation."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        policy: ModePolicy,
+        send: Callable[[object], None],
+        cancelled: Callable[[str], bool] = lambda request_id: False,
+    ) -> None:
+        self.engine = engine
+        self.policy = policy
+        self.send = send
+        self.cancelled = cancelled
+        self._last_beat = 0.0
+
+    def _heartbeat(self) -> None:
+        """Called by the engine many times a window: tells the supervisor (at most once a second) that
+        the batch moves."""
+        now = time.monotonic()
+        if now - self._last_beat >= HEARTBEAT_S:
+            self._last_beat = now
+            self.send(Heartbeat())
+
+    def run(self, batch: BatchRequest) -> BatchResult:
+        valid: list[Job] = []
+        results: dict[str, JobResult] = {}
+        mode: Mode | None = None
+        for job in batch.jobs:
+            try:
+                self.engine.check(job.options, job.audio)  # a bad request fails alone, not its batch
+                valid.append(job)
+            except InvalidRequestError as exc:
+                results[job.request_id] = JobResult(job.request_id, error=str(exc))
+        if valid:
+            mode, done = self._transcribe(valid, batch.batch_id)
+            results.update(done)
+        return BatchResult(batch.batch_id, [results[j.request_id] for j in batch.jobs], mode, self.policy.estimates())
+
+    def _transcribe(self, jobs: list[Job], batch_id: int) -> tuple[Mode, dict[str, JobResult]]:
+        eligible = self.engine.drafter is not None and any(j.options.use_assistant for j in jobs)
+        mode: Mode = self.policy.choose(len(jobs)) if eligible else "plain"
+        options = [j.options if mode == "speculative" else dataclasses.replace(j.options, use_assistant=False)
+                   for j in jobs]  # fmt: skip
+
+        def progress(i: int, segments: list[Segment]) -> None:
+            if jobs[i].stream:
+                self.send(Progress(jobs[i].request_id, segments))
+
+        try:
+            out = self.engine.transcribe(
+                [j.audio for j in jobs],
+                options,
+                on_segments=progress,
+                cancelled=lambda i: self.cancelled(jobs[i].request_id),
+                heartbeat=self._heartbeat,
+            )
+        except Exception as exc:  # a bug must fail its batch, not the worker
+            log.exception("batch %s failed", batch_id)
+            return mode, {
+                j.request_id: JobResult(j.request_id, error=f"internal error: {exc}", internal=True) for j in jobs
+            }
+        if eligible:
+            decode_s = max(t.metrics.decode_ms for t in out) / 1000  # the batch's rows share the decode time
+            cost = BatchCost.of(decode_s, [(t.metrics.tokens, t.metrics.windows) for t in out])
+            self.policy.observe(mode, len(jobs), cost)
+            log.debug(
+                "batch %s: %d rows %s, %.0f ms for %d plain passes; estimates %s",
+                batch_id, len(jobs), mode, cost.seconds * 1000, cost.plain_passes, self.policy.snapshot(),
+            )  # fmt: skip
+        return mode, {j.request_id: JobResult(j.request_id, transcription=t) for j, t in zip(jobs, out, strict=True)}
+
+
+class Inbox:
+    """The worker's reader thread: batches queue up for the main thread; a Cancel is noted at once, mid-batch.
+
+    The web process has one batch in flight at a time and cancels only jobs it has sent, so a new
+    batch clears the cancellations of the previous one.
+    """
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._batches: queue.Queue[BatchRequest | None] = queue.Queue()  # None: stop
+        self._cancelled: set[str] = set()
+        self._orphaned = False  # the web process is gone: whatever runs is for no one
+        threading.Thread(target=self._read, name="worker-inbox", daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                self._orphaned = True
+                message = None
+            if isinstance(message, Cancel):
+                self._cancelled.add(message.request_id)
+            elif isinstance(message, BatchRequest):
+                self._cancelled = set()
+                self._batches.put(message)
+            else:  # Stop, or the web process is gone
+                self._batches.put(None)
+                return
+
+    def next(self, timeout: float | None = None) -> BatchRequest | None:
+        """The next batch (None: stop); raises queue.Empty after `timeout` seconds without one."""
+        return self._batches.get(timeout=timeout)
+
+    def is_cancelled(self, request_id: str) -> bool:
+        return self._orphaned or request_id in self._cancelled
+
+
+def leave_the_server_group() -> None:
+    """Leave the web process's session and process group, but die with the web process.
+
+    The web process decides when we stop: it drains its requests first, which needs us. So a signal
+    sent to the server's process group (`timeout`, `kill -TERM -- -PGID`, a terminal's hang-up) must
+    reach the web process only; before, such a SIGTERM killed the worker mid-batch, failed the
+    requests being drained and had the worker restarted during shutdown. A new session also keeps
+    the terminal's job control (SIGTTOU, Ctrl+Z) off the worker. In exchange, a signal that kills
+    the whole group no longer kills us: on Linux the kernel sends us SIGKILL when the web process
+    dies (elsewhere the inbox sees the pipe close and the running batch stops at its next window).
+    """
+    parent = os.getppid()
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(1)
+
+
+def worker_main(settings: Settings, conn: Connection) -> None:
+    """Entry point of the worker process (spawned)."""
+    leave_the_server_group()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the web process decides when we stop
+    from huggingface_hub.utils import disable_progress_bars
+
+    from app.engine.build import build_engine
+    from app.store.loader import is_settings_error
+
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    started = time.perf_counter()
+    disable_progress_bars()  # hub downloads: this process's output is the server's log
+    try:
+        engine = build_engine(settings, progress=False)
+        warmed = engine.warm_up({1, settings.max_batch})
+        described = engine.describe()
+    except Exception as exc:
+        permanent = is_settings_error(exc)
+        if permanent:
+            error = str(exc)  # the supervisor logs it
+        else:
+            log.exception("cannot load the models")
+            error = f"{type(exc).__name__}: {exc}"
+        with contextlib.suppress(OSError):  # the web process may be gone
+            conn.send(LoadFailed(error, permanent))
+        sys.exit(1)
+    trim = heap_trimmer() if settings.worker_heap_trim else None
+    inbox = Inbox(conn)
+    runner = BatchRunner(engine, ModePolicy(settings.speculation, warmed=warmed), conn.send, inbox.is_cancelled)
+    conn.send(Ready(time.perf_counter() - started, described))
+    while True:
+        try:
+            batch = inbox.next(timeout=IDLE_BEFORE_TRIM_S if trim is not None else None)
+        except queue.Empty:
+            assert trim is not None
+            trim()
+            batch = inbox.next()
+        if batch is None:
+            return
+        conn.send(runner.run(batch))

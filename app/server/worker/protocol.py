@@ -1,0 +1,98 @@
+"""Messages between the web process and the worker process (pickled over a pipe)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from app.api.types import DecodingOptions, Segment, Transcription
+from app.server.worker.policy import Estimate, Mode
+
+
+@dataclass(frozen=True)
+class Job:
+    request_id: str
+    audio: np.ndarray
+    options: DecodingOptions
+    stream: bool = False  # send Progress messages as windows complete
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Segments a streaming job gained in one window, sent before its batch finishes."""
+
+    request_id: str
+    segments: list[Segment]
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    batch_id: int
+    jobs: list[Job]
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """The client of a running job went away: stop it at its next window."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class JobResult:
+    request_id: str
+    transcription: Transcription | None = None
+    error: str | None = None  # message of an invalid request (the others still succeed)
+    internal: bool = False  # the error is the server's fault, not the request's
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    batch_id: int
+    results: list[JobResult]
+    mode: Mode | None = None  # how the worker decoded it (None: no valid row)
+    estimates: list[Estimate] = field(default_factory=list)  # the adaptive policy's, after this batch
+
+    def costs(self) -> dict[tuple[str, int], float]:
+        """The measured estimates: ms per plain pass by (mode, batch size)."""
+        return {(e.mode, e.batch): e.ms_per_plain_pass for e in self.estimates if e.samples > 0}
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The worker loaded its models and warmed up; `engine` is `Engine.describe()`."""
+
+    load_seconds: float
+    engine: dict[str, str | int | bool | None]
+
+    @property
+    def model(self) -> str:
+        return str(self.engine["model"])
+
+    @property
+    def assistant(self) -> str | None:
+        name = self.engine.get("assistant")
+        return None if name is None else str(name)
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """The worker is working on its batch (sent as its engine makes progress, at most once a second)."""
+
+
+@dataclass(frozen=True)
+class LoadFailed:
+    """The worker could not load its models; it exits after sending this.
+
+    permanent: the settings name no usable model (no such model, not a Whisper checkpoint), so a
+    new worker would fail the same way; otherwise (out of memory, a device error) it may not.
+    """
+
+    error: str
+    permanent: bool
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass

@@ -1,0 +1,396 @@
+"""Side-by-side benchmark: main-only greedy vs speculative decoding in the same engine, same run.
+
+Each clip runs through both modes back to back (after a warm-up); optionally the same clips then
+run through transformers' `generate` (plain and assisted) and faster-whisper on the same weights
+(`app/tools/comparisons.py`), each family in its own child process so that its runtime cannot slow
+the engine. Peak memory is measured per mode, each in its own child process.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import platform
+import resource
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from app.api.audio import load_audio
+from app.api.types import DecodingOptions, Transcription
+from app.engine.drafting.assistants import NO_ASSISTANT
+from app.engine.engine import Engine
+from app.settings import Settings
+from app.tools.comparisons import ClipRunner, FasterWhisper, HFGenerate, RunResult
+
+CHARACTER_LANGUAGES = {"ja", "ko", "zh", "th", "yue"}
+
+
+def normalize(text: str) -> str:
+    from transformers.models.whisper.english_normalizer import BasicTextNormalizer
+
+    return str(BasicTextNormalizer()(text))
+
+
+def edit_distance(ref: Sequence[str], hyp: Sequence[str]) -> int:
+    prev = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, start=1):
+        cur = [i] + [0] * len(hyp)
+        for j, h in enumerate(hyp, start=1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (r != h))
+        prev = cur
+    return prev[-1]
+
+
+def error_units(text: str, language: str) -> list[str]:
+    """Words, or characters for languages written without spaces (CER)."""
+    norm = normalize(text)
+    return list(norm.replace(" ", "")) if language in CHARACTER_LANGUAGES else norm.split()
+
+
+@dataclass
+class ClipRun:
+    clip_id: str
+    language: str
+    plain: Transcription
+    spec: Transcription
+    reference: str
+    baselines: dict[str, RunResult] = field(default_factory=dict)
+
+    @property
+    def identical(self) -> bool:
+        return self.plain.tokens == self.spec.tokens
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident set (MB). VmHWM, unlike ru_maxrss, is not inherited across exec,
+    so a spawned child reports its own peak."""
+    peak = _status_mb("VmHWM")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if peak is None else peak
+
+
+def _status_mb(field: str) -> float | None:
+    """A memory field of /proc/self/status in MB (None where there is no such file)."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) / 1024
+    return None
+
+
+def error_rate(pairs: Sequence[tuple[str, str, str]]) -> float:
+    """WER (CER for languages without spaces) over (reference, hypothesis, language) triples."""
+    errors = units = 0
+    for reference, hypothesis, language in pairs:
+        ref = error_units(reference, language)
+        errors += edit_distance(ref, error_units(hypothesis, language))
+        units += len(ref)
+    return errors / units if units else 0.0
+
+
+def _errors(runs: list[ClipRun], which: str) -> float:
+    return error_rate([(r.reference, getattr(r, which).text, r.language) for r in runs])
+
+
+def _baseline_summary(runs: list[ClipRun], name: str) -> dict[str, Any]:
+    """A reference decoder against the engine: wall-time ratios, token agreement with main-only greedy, WER."""
+    total = sum(r.baselines[name].total_ms for r in runs)
+    spec_total = sum(r.spec.metrics.total_ms for r in runs)
+    plain_total = sum(r.plain.metrics.total_ms for r in runs)
+    return {
+        "total_ms": total,
+        "speedup_spec_vs_this": total / spec_total if spec_total else 0.0,
+        "speedup_main_only_vs_this": total / plain_total if plain_total else 0.0,
+        "identical_tokens_fraction": sum(r.baselines[name].tokens == r.plain.tokens for r in runs) / len(runs),
+        "same_text_fraction": sum(
+            error_units(r.baselines[name].text, r.language) == error_units(r.plain.text, r.language) for r in runs
+        )
+        / len(runs),
+        "wer": error_rate([(r.reference, r.baselines[name].text, r.language) for r in runs]),
+    }
+
+
+def _summary(runs: list[ClipRun]) -> dict[str, Any]:
+    plain_decode = sum(r.plain.metrics.decode_ms for r in runs)
+    spec_decode = sum(r.spec.metrics.decode_ms for r in runs)
+    plain_total = sum(r.plain.metrics.total_ms for r in runs)
+    spec_total = sum(r.spec.metrics.total_ms for r in runs)
+    drafted = sum(r.spec.metrics.draft_proposed for r in runs)
+    accepted = sum(r.spec.metrics.draft_accepted for r in runs)
+    tokens = sum(r.spec.metrics.tokens for r in runs)
+    passes = sum(r.spec.metrics.main_passes for r in runs)
+    return {
+        "clips": len(runs),
+        "identical_fraction": sum(r.identical for r in runs) / len(runs),
+        "decode_speedup": plain_decode / spec_decode if spec_decode else 0.0,
+        "e2e_speedup": plain_total / spec_total if spec_total else 0.0,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "tokens_per_main_pass": tokens / passes if passes else 0.0,
+        "wer_main": _errors(runs, "plain"),
+        "wer_spec": _errors(runs, "spec"),
+        # What end-to-end speculation could reach if its decoding took no time: the share of a
+        # request outside decoding (features, encoder, cross keys/values) is the same in both modes.
+        "e2e_ceiling": plain_total / (plain_total - plain_decode) if plain_total > plain_decode else 0.0,
+        "decode_ms_main": plain_decode,
+        "decode_ms_spec": spec_decode,
+        "total_ms_main": plain_total,
+        "total_ms_spec": spec_total,
+        **{name: _baseline_summary(runs, name) for name in (runs[0].baselines if runs else {})},
+    }
+
+
+def select_clips(
+    manifest: Path,
+    languages: set[str] | None,
+    limit: int | None,
+    max_seconds: float | None = None,
+    subset: str | None = None,
+) -> list[dict]:
+    """Manifest entries in the given languages and subset ("short", "long"), the first `limit`.
+
+    max_seconds: the longest clip taken; by default 30 s (one window), unbounded for the long subset.
+    """
+    if max_seconds is None:
+        max_seconds = float("inf") if subset == "long" else 30.0
+    entries = [json.loads(line) for line in manifest.read_text().splitlines() if line.strip()]
+    entries = [
+        e
+        for e in entries
+        if e["duration_s"] <= max_seconds
+        and (languages is None or e["language"] in languages)
+        and (subset is None or e.get("subset") == subset)
+    ][: limit or None]
+    if not entries:
+        raise ValueError("no clips match the filters")
+    return entries
+
+
+def run_bench(
+    engine: Engine,
+    manifest: Path,
+    *,
+    languages: set[str] | None,
+    limit: int | None,
+    batches: Sequence[int],
+    max_seconds: float | None = None,
+    subset: str | None = None,
+    settings: Settings | None = None,
+    rss_split: bool = True,
+    compare_hf: bool = False,
+    compare_faster_whisper: bool = False,
+) -> dict[str, Any]:
+    """Run the clips through both modes, interleaved per clip, then through the chosen reference decoders.
+
+    Each reference decoder runs in its own child process (it needs `settings`): loaded into the
+    bench process, CTranslate2's OpenMP runtime and transformers slowed the engine's many small
+    ops for the rest of the run (decode speedup 2.04x alone, 1.60-1.66x with them loaded, same
+    clips). With `rss_split`, the peak RSS of each mode is measured in its own child process too.
+    """
+    entries = select_clips(manifest, languages, limit, max_seconds, subset)
+    audio = {e["id"]: load_audio(manifest.parent / e["audio"]) for e in entries}
+    warm = entries[0]
+    for use in (False, True):  # warm-up: allocator, thread pools, quantized kernels
+        engine.transcribe([audio[warm["id"]]], [DecodingOptions(language=warm["language"], use_assistant=use)])
+    runs: list[ClipRun] = []
+    for e in tqdm(entries, desc="bench", unit="clip"):
+        clip = audio[e["id"]]
+        plain = engine.transcribe([clip], [DecodingOptions(language=e["language"], use_assistant=False)])[0]
+        spec = engine.transcribe([clip], [DecodingOptions(language=e["language"])])[0]
+        runs.append(ClipRun(e["id"], e["language"], plain, spec, e["text"]))
+    batch_report = {str(b): _batch_throughput(engine, entries, audio, b) for b in batches}
+    kinds = [k for k, on in (("hf", compare_hf), ("faster_whisper", compare_faster_whisper)) if on]
+    if kinds and settings is None:
+        raise ValueError("the reference decoders need the settings to load the model in their own process")
+    for kind in kinds:
+        assert settings is not None
+        for name, results in references_in_child(settings, kind, manifest, entries).items():
+            for run, result in zip(runs, results, strict=True):
+                run.baselines[name] = result
+    report = _summary(runs)
+    report["machine"] = machine(engine)
+    report["peak_rss_mb"] = {"bench_process": _peak_rss_mb()}
+    if settings is not None and rss_split:
+        report["peak_rss_mb"].update(peak_rss_by_mode(settings, manifest, entries, max(batches, default=1)))
+    by_language: dict[str, list[ClipRun]] = defaultdict(list)
+    for r in runs:
+        by_language[r.language].append(r)
+    report["languages"] = {lang: _summary(rs) for lang, rs in sorted(by_language.items())}
+    report["per_clip"] = [
+        {
+            "id": r.clip_id,
+            "language": r.language,
+            "identical": r.identical,
+            "decode_speedup": r.plain.metrics.decode_ms / r.spec.metrics.decode_ms if r.spec.metrics.decode_ms else 0,
+            "e2e_speedup": r.plain.metrics.total_ms / r.spec.metrics.total_ms if r.spec.metrics.total_ms else 0,
+            "acceptance_rate": r.spec.metrics.acceptance_rate,
+            **{f"{name}_ms": b.total_ms for name, b in r.baselines.items()},
+        }
+        for r in runs
+    ]
+    report["batches"] = batch_report
+    return report
+
+
+def machine(engine: Engine) -> dict[str, Any]:
+    """What the figures were measured on: the CPU, torch, and what the engine runs (`Engine.describe`, after
+    checking that the main decoder is batch-invariant here, if the engine has not yet)."""
+    if engine.batch_invariant is None:
+        engine.check_batch_invariance()
+    return {"cpu": _cpu_name(), "logical_cpus": os.cpu_count(), "torch": torch.__version__, **engine.describe()}
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _references(settings: Settings, kind: str, manifest: Path, entries: list[dict]) -> dict[str, list[RunResult]]:
+    """In a fresh process: the reference decoders of `kind` over the clips, after one warm-up clip."""
+    from app.engine.build import build_engine
+
+    main = build_engine(settings.model_copy(update={"assistant": NO_ASSISTANT}), progress=False).main
+    runners: list[ClipRunner]
+    if kind == "hf":
+        runners = [HFGenerate(main, assisted=False), HFGenerate(main, assisted=True)]
+    else:
+        runners = [FasterWhisper(main, threads=torch.get_num_threads())]
+    audio = [load_audio(manifest.parent / e["audio"]) for e in entries]
+    for runner in runners:
+        runner.run(audio[0], entries[0]["language"])
+    out: dict[str, list[RunResult]] = {runner.name: [] for runner in runners}
+    for clip, e in zip(audio, entries, strict=True):  # interleaved per clip, like the engine's two modes
+        for runner in runners:
+            out[runner.name].append(runner.run(clip, e["language"]))
+    return out
+
+
+def references_in_child(
+    settings: Settings, kind: str, manifest: Path, entries: list[dict]
+) -> dict[str, list[RunResult]]:
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_references, (settings, kind, manifest, entries))
+
+
+def _reset_peak_rss() -> bool:
+    """Start this process's peak RSS afresh from its current RSS (Linux); False where it cannot."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def _mode_peak_rss(
+    settings: Settings, paths: list[Path], languages: list[str], batch: int
+) -> tuple[float, float, float]:
+    """In a fresh process: build the engine, transcribe each clip, then the first batch.
+
+    Returns the peak RSS (MB) over the process's life and while serving (from the end of loading
+    on), and the RSS once loaded. Loading holds transient copies that can exceed what decoding ever
+    needs, and then both modes' lifetime peaks are the same load peak; the serving peak shows what
+    each mode keeps, plus decoding's transient buffers, whose peak varies by tens of MB from run to
+    run; the RSS once loaded is what each mode holds resident, steady to 0.1 MB between runs.
+    """
+    from app.engine.build import build_engine
+
+    engine = build_engine(settings, progress=False)
+    loaded = _status_mb("VmRSS") or float("nan")
+    load_peak = _peak_rss_mb()
+    separate = _reset_peak_rss()
+    use = settings.assistant != NO_ASSISTANT
+    clips = [load_audio(p) for p in paths]
+    for clip, language in zip(clips, languages, strict=True):
+        engine.transcribe([clip], [DecodingOptions(language=language, use_assistant=use)])
+    engine.transcribe(clips[:batch], [DecodingOptions(language=lang, use_assistant=use) for lang in languages[:batch]])
+    serving = _peak_rss_mb()
+    return max(load_peak, serving), serving if separate else float("nan"), loaded
+
+
+def peak_rss_by_mode(settings: Settings, manifest: Path, entries: list[dict], batch: int) -> dict[str, float]:
+    """Peak RSS of a main-only engine and of the speculative engine, each in its own child process,
+    over the longest clip alone and the first `batch` clips together, over the process's life and
+    while serving (`*_serving`, NaN where the peak cannot be reset); the RSS once loaded
+    (`*_loaded`); and the assistant's shares."""
+    longest = max(entries, key=lambda e: e["duration_s"])
+    chosen = [longest, *[e for e in entries[:batch] if e is not longest]][: max(batch, 1)]
+    paths = [manifest.parent / e["audio"] for e in chosen]
+    languages = [e["language"] for e in chosen]
+    modes = {"main_only": settings.model_copy(update={"assistant": NO_ASSISTANT}), "speculative": settings}
+    out: dict[str, float] = {}
+    context = multiprocessing.get_context("spawn")
+    for name, mode_settings in modes.items():
+        with context.Pool(1) as pool:
+            peaks = pool.apply(_mode_peak_rss, (mode_settings, paths, languages, batch))
+            out[name], out[f"{name}_serving"], out[f"{name}_loaded"] = peaks
+    if settings.assistant != NO_ASSISTANT:
+        out["assistant_share"] = (out["speculative"] - out["main_only"]) / out["main_only"]
+        for kind in ("serving", "loaded"):
+            main_only = out[f"main_only_{kind}"]
+            out[f"assistant_share_{kind}"] = (out[f"speculative_{kind}"] - main_only) / main_only
+    return out
+
+
+def _batch_throughput(
+    engine: Engine, entries: list[dict], audio: dict[str, np.ndarray], size: int
+) -> dict[str, float | bool]:
+    groups = [entries[i : i + size] for i in range(0, len(entries) - size + 1, size)] or [entries[:size]]
+    seconds = {False: 0.0, True: 0.0}
+    decode = {False: 0.0, True: 0.0}  # seconds; a batch's rows share its decoding time
+    warm = groups[0]
+    for use in (False, True):  # this batch size's own warm-up (allocations of the wider caches)
+        engine.transcribe(
+            [audio[e["id"]] for e in warm], [DecodingOptions(language=e["language"], use_assistant=use) for e in warm]
+        )
+    identical = True
+    for group in groups:
+        clips = [audio[e["id"]] for e in group]
+        out = {}
+        for use in (False, True):
+            opts = [DecodingOptions(language=e["language"], use_assistant=use) for e in group]
+            t = time.perf_counter()
+            out[use] = engine.transcribe(clips, opts)
+            seconds[use] += time.perf_counter() - t
+            decode[use] += max(r.metrics.decode_ms for r in out[use]) / 1000
+        identical &= [r.tokens for r in out[False]] == [r.tokens for r in out[True]]
+    audio_s = sum(len(audio[e["id"]]) / 16000 for g in groups for e in g)
+    outside_decoding = seconds[False] - decode[False]  # the same in both modes
+    return {
+        "audio_seconds_per_second_main": audio_s / seconds[False],
+        "audio_seconds_per_second_spec": audio_s / seconds[True],
+        "throughput_ratio": seconds[False] / seconds[True],
+        "decode_ratio": decode[False] / decode[True] if decode[True] else 0.0,
+        # the throughput ratio if speculative decoding took no time (the rest is shared by both modes)
+        "throughput_ceiling": seconds[False] / outside_decoding if outside_decoding > 0 else 0.0,
+        "identical": identical,
+    }
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    clips = report["per_clip"]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.scatter([c["acceptance_rate"] for c in clips], [c["decode_speedup"] for c in clips])
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("draft acceptance rate")
+    ax.set_ylabel("decode speedup (main-only / speculative)")
+    ax.set_title(f"{report['clips']} clips, decode speedup {report['decode_speedup']:.2f}x")
+    fig.tight_layout()
+    fig.savefig(path)
