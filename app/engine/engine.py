@@ -1,109 +1,35 @@
 """The engine: audio -> log-mel -> 30-s windows -> encoder -> (draft +) decoding -> segments, words, metrics.
 
-Long audio follows OpenAI's sequential algorithm: decode a 30-s window with timestamp
-tokens, cut it into segments at timestamp pairs, seek to the end of the last complete
-segment, condition the next window on the text so far, and retry a window at higher
-temperatures when its text is too repetitive or too unlikely. A batch advances all its
-requests one window at a time, so every request of a batch shares each encoder and
-decoder pass.
+Each request follows OpenAI's sequential long-form algorithm (`app.engine.longform`: seek, segments,
+conditioning, temperature fallback). A batch advances all its requests one window at a time, so every
+request of a batch shares each encoder and decoder pass; the decoding loop (`app.engine.generate`)
+runs with the engine's drafter, if any, for the rows that ask for it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import zlib
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from app.api.audio import SAMPLE_RATE
-from app.api.types import (
-    DecodingOptions,
-    InvalidRequestError,
-    Metrics,
-    Segment,
-    Transcription,
-    Word,
-)
+from app.api.types import DecodingOptions, InvalidRequestError, Segment, Transcription
 from app.engine.alignment import align_words
 from app.engine.decoding.batch import Row
 from app.engine.decoding.logits import whisper_rules
 from app.engine.drafting.base import Drafter, DraftInputs
-from app.engine.generate import Decoded, RowStats, decode, detect_language
+from app.engine.generate import Decoded, decode, detect_language
 from app.engine.invariance import decoder_is_batch_invariant
+from app.engine.longform import SAMPLE_LEN, LongFormJob
 from app.model.decoder import CrossKV
-from app.model.features import (
-    FRAMES_PER_SECOND,
-    INPUT_STRIDE,
-    N_FRAMES,
-    N_SAMPLES,
-    TIME_PRECISION,
-    log_mel,
-    window,
-)
+from app.model.features import INPUT_STRIDE
 from app.model.whisper import WhisperModel
 
 log = logging.getLogger(__name__)
-
-SAMPLE_LEN = 224  # tokens per window (OpenAI: n_text_ctx // 2)
-
-
-def compression_ratio(text: str) -> float:
-    data = text.encode("utf-8")
-    return len(data) / len(zlib.compress(data)) if data else 0.0
-
-
-@dataclass
-class _Counters:
-    """A request's totals over its windows (and fallback attempts)."""
-
-    decoding: RowStats = field(default_factory=RowStats)
-    encode_s: float = 0.0
-    decode_s: float = 0.0
-    windows: int = 0
-    tokens: int = 0
-
-
-class _Job:
-    """One request's progress through its windows."""
-
-    def __init__(self, model: WhisperModel, audio: np.ndarray, options: DecodingOptions) -> None:
-        self.options = options
-        self.duration = audio.size / SAMPLE_RATE
-        self.mel = log_mel(audio, model.n_mels, padding=N_SAMPLES)
-        self.content_frames = self.mel.shape[-1] - N_FRAMES
-        # Timestamp tokens drive the seek of long audio; short audio honours the request.
-        self.with_timestamps = options.timestamps != "none" or self.content_frames > N_FRAMES
-        self.seek = 0
-        self.language: str | None = options.language
-        self.language_probability: float | None = None
-        tok = model.tokenizer
-        self.all_tokens: list[int] = tok.encode(" " + options.prompt.strip()) if options.prompt else []
-        self.prompt_reset = 0
-        self.segments: list[Segment] = []
-        self.finish = "stop"
-        self.counters = _Counters()
-
-    @property
-    def done(self) -> bool:
-        return self.seek >= self.content_frames
-
-    def cancel(self) -> None:
-        self.seek = self.content_frames
-        self.finish = "cancelled"
-
-    @property
-    def segment_frames(self) -> int:
-        return min(N_FRAMES, self.content_frames - self.seek)
-
-    def features(self) -> torch.Tensor:
-        return window(self.mel, self.seek, self.segment_frames)
-
-    def context(self) -> list[int]:
-        return self.all_tokens[self.prompt_reset :] if self.options.condition_on_previous_text else []
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -186,7 +112,7 @@ class Engine:
             self.check(opt, clip)
         started = time.perf_counter()
         with torch.inference_mode():
-            jobs = [_Job(self.main, a, o) for a, o in zip(audio, options, strict=True)]
+            jobs = [self._job(a, o) for a, o in zip(audio, options, strict=True)]
             while True:
                 if cancelled is not None:
                     for i, job in enumerate(jobs):
@@ -202,7 +128,7 @@ class Engine:
                         if len(job.segments) > n:
                             on_segments(jobs.index(job), job.segments[n:])
         total = time.perf_counter() - started
-        return [self._result(job, total, len(jobs)) for job in jobs]
+        return [job.result(total, len(jobs), speculative=self._speculative(job)) for job in jobs]
 
     def warm_up(self, batch_sizes: Iterable[int]) -> frozenset[int]:
         """Decode one second of a tone in each mode at each of `batch_sizes`; returns the sizes warmed.
@@ -219,7 +145,7 @@ class Engine:
         tone = _tone()
         sizes = frozenset(batch_sizes)
         with torch.inference_mode():
-            first = _Job(self.main, tone, DecodingOptions(language="en"))
+            first = self._job(tone, DecodingOptions(language="en"))
             features = first.features().unsqueeze(0)
             encoder_out = self.main.encode(features)
             for batch in sorted(sizes):
@@ -228,7 +154,7 @@ class Engine:
                 inputs = self._inputs(wide_features, wide_states, first.segment_frames)
                 for use in (True, False) if self.drafter is not None else (False,):
                     options = DecodingOptions(language="en", use_assistant=use)
-                    jobs = [_Job(self.main, tone, options) for _ in range(batch)]
+                    jobs = [self._job(tone, options) for _ in range(batch)]
                     self._decode(jobs, [0.0] * batch, inputs.main_cross, inputs, torch.arange(batch))
             self.check_batch_invariance(encoder_out, rows=max(sizes))
         return sizes
@@ -244,7 +170,7 @@ class Engine:
         try:
             with torch.inference_mode():
                 if encoder_out is None:
-                    features = _Job(self.main, _tone(), DecodingOptions(language="en")).features()[None]
+                    features = self._job(_tone(), DecodingOptions(language="en")).features()[None]
                     encoder_out = self.main.encode(features)
                 prompt = self.main.tokenizer.prompt("en", "transcribe")
                 cross = self.main.decoder.cross_kv(encoder_out)
@@ -273,7 +199,7 @@ class Engine:
         return DraftInputs(features, encoder_out, cross, audio_frames=-(-segment_frames // INPUT_STRIDE))
 
     # -- one window of every active job --------------------------------------------------------
-    def _window(self, jobs: list[_Job], batch: int, heartbeat: Callable[[], None] | None = None) -> None:
+    def _window(self, jobs: list[LongFormJob], batch: int, heartbeat: Callable[[], None] | None = None) -> None:
         t0 = time.perf_counter()
         if heartbeat is not None:
             heartbeat()
@@ -303,7 +229,7 @@ class Engine:
             for i, d, t in zip(pending, decoded, temps, strict=True):
                 jobs[i].counters.decoding.add(d.stats)
                 results[i] = (d, t)
-                if self._needs_fallback(jobs[i].options, d):
+                if jobs[i].needs_fallback(d):
                     retry.append(i)
             pending = retry
         t2 = time.perf_counter()
@@ -317,7 +243,7 @@ class Engine:
 
     def _decode(
         self,
-        jobs: list[_Job],
+        jobs: list[LongFormJob],
         temps: list[float],
         cross: CrossKV,
         inputs: DraftInputs,
@@ -337,7 +263,7 @@ class Engine:
             session = self.drafter.start(replace(inputs, capacity=max(row.max_len for row in rows)))
         return decode(self.main, cross, rows, session, self.generator, heartbeat)
 
-    def _row(self, job: _Job, temperature: float) -> Row:
+    def _row(self, job: LongFormJob, temperature: float) -> Row:
         tok = self.main.tokenizer
         prompt: list[int] = []
         context = job.context()
@@ -352,146 +278,26 @@ class Engine:
             rules=self._rules[job.with_timestamps],
             max_len=min(self.main.max_positions, len(prompt) + new_tokens),
             eot=tok.eot,
-            draft=self.drafter is not None and job.options.use_assistant,
+            draft=self._speculative(job),
             temperature=temperature,
             sot_index=sot_index,
         )
 
-    def _needs_fallback(self, options: DecodingOptions, d: Decoded) -> bool:
-        ratio = compression_ratio(self.main.tokenizer.decode(d.tokens))
-        fallback = options.compression_ratio_threshold is not None and ratio > options.compression_ratio_threshold
-        low_logprob = options.logprob_threshold is not None and d.avg_logprob < options.logprob_threshold
-        silent = (
-            options.no_speech_threshold is not None
-            and d.no_speech_prob is not None
-            and d.no_speech_prob > options.no_speech_threshold
-        )
-        return (fallback or low_logprob) and not (silent and low_logprob)
+    def _job(self, audio: np.ndarray, options: DecodingOptions) -> LongFormJob:
+        return LongFormJob(audio, options, self.main.tokenizer, self.main.n_mels)
 
-    # -- turning a decoded window into segments -------------------------------------------------
-    def _consume(self, job: _Job, d: Decoded, temperature: float, cross: CrossKV, row: int) -> None:
-        """Turn row `row` of the window's batch (`cross`: the batch's keys/values) into the job's segments."""
-        tok = self.main.tokenizer
-        opts = job.options
-        size = job.segment_frames
-        offset = job.seek / FRAMES_PER_SECOND
-        if d.finish == "length":
-            job.finish = "length"
-        silent = (
-            opts.no_speech_threshold is not None
-            and d.no_speech_prob is not None
-            and d.no_speech_prob > opts.no_speech_threshold
-            and not (opts.logprob_threshold is not None and d.avg_logprob > opts.logprob_threshold)
-        )
-        if silent:  # whatever the timestamp mode, as in OpenAI's transcribe(): no text made up over noise
-            job.seek += size
+    def _speculative(self, job: LongFormJob) -> bool:
+        return self.drafter is not None and job.options.use_assistant
+
+    def _consume(self, job: LongFormJob, d: Decoded, temperature: float, cross: CrossKV, row: int) -> None:
+        """Row `row` of the window's batch (`cross`: the batch's keys/values) into the job's segments, and their
+        words when the request asks for them."""
+        frames, offset = job.segment_frames, job.offset
+        first_new = job.consume(d, temperature)
+        if first_new is None or job.options.timestamps != "word":
             return
-        tokens = d.tokens
-        tb = tok.timestamp_begin
-        is_ts = [t >= tb for t in tokens]
-        spans: list[tuple[float, float, list[int]]] = []
-        single_ending = is_ts[-2:] == [False, True]
-        cuts = [i + 1 for i in range(len(tokens) - 1) if is_ts[i] and is_ts[i + 1]]
-        if cuts:
-            slices = cuts + ([len(tokens)] if single_ending else [])
-            last = 0
-            for cut in slices:
-                part = tokens[last:cut]
-                spans.append(
-                    (
-                        offset + (part[0] - tb) * TIME_PRECISION,
-                        offset + (part[-1] - tb) * TIME_PRECISION,
-                        part,
-                    )
-                )
-                last = cut
-            if single_ending:
-                job.seek += size
-            else:
-                job.seek += (tokens[last - 1] - tb) * INPUT_STRIDE
-        else:
-            duration = size / FRAMES_PER_SECOND
-            stamps = [t for t in tokens if t >= tb]
-            if stamps and stamps[-1] != tb:
-                duration = (stamps[-1] - tb) * TIME_PRECISION
-            spans.append((offset, offset + duration, tokens))
-            job.seek += size
-        job.counters.tokens += len(tokens)
-        ratio = compression_ratio(tok.decode(tokens))  # of the whole window, as OpenAI reports it
-        before = len(job.segments)
-        for start, end, part in spans:
-            text_tokens = [t for t in part if t < tok.eot]
-            text = tok.decode(text_tokens)
-            if not text.strip():
-                continue
-            job.segments.append(
-                Segment(
-                    id=len(job.segments),
-                    seek=int(offset * FRAMES_PER_SECOND),
-                    start=round(start, 3),
-                    end=round(end, 3),
-                    text=text,
-                    tokens=part,
-                    temperature=temperature,
-                    avg_logprob=d.avg_logprob,
-                    compression_ratio=ratio,
-                    no_speech_prob=d.no_speech_prob or 0.0,
-                )
-            )
-        if opts.timestamps == "word":
-            # Only word alignment reads the audio again: one row's copy (~37 MB for base) only then.
-            self._add_words(job, cross.select(torch.tensor([row])), size, offset, first_new=before)
-        job.all_tokens.extend(t for _, _, part in spans for t in part)
-        if not opts.condition_on_previous_text or temperature > 0.5:
-            job.prompt_reset = len(job.all_tokens)
-
-    def _add_words(self, job: _Job, cross: CrossKV, frames: int, offset: float, first_new: int) -> None:
-        tok = self.main.tokenizer
-        segments = job.segments[first_new:]
-        text_tokens = [t for s in segments for t in s.tokens if t < tok.eot]
-        sot_sequence = tok.prompt(job.language, job.options.task, timestamps=True)
-        words = align_words(self.main, cross, sot_sequence, text_tokens, frames, job.language)
-        cursor = 0
-        for k, seg in enumerate(segments):
-            n = len([t for t in seg.tokens if t < tok.eot])
-            mine, used = [], 0
-            while cursor < len(words) and used < n:
-                w = words[cursor]
-                mine.append(Word(w.word, round(w.start + offset, 3), round(w.end + offset, 3), w.probability, w.tokens))
-                used += len(w.tokens)
-                cursor += 1
-            job.segments[first_new + k] = Segment(**{**seg.__dict__, "words": mine})
-
-    def _result(self, job: _Job, total_s: float, batch: int) -> Transcription:
-        c = job.counters
-        s = c.decoding
-        n_tokens = c.tokens
-        total_ms = total_s * 1000
-        metrics = Metrics(
-            audio_seconds=round(job.duration, 3),
-            encode_ms=round(c.encode_s * 1000, 2),
-            decode_ms=round(c.decode_s * 1000, 2),
-            total_ms=round(total_ms, 2),
-            tokens=n_tokens,
-            draft_proposed=s.drafted,
-            draft_accepted=s.accepted,
-            acceptance_rate=round(s.accepted / s.drafted, 4) if s.drafted else 0.0,
-            main_passes=s.main_passes,
-            draft_passes=s.draft_passes,
-            tokens_per_main_pass=round(n_tokens / s.main_passes, 3) if s.main_passes else 0.0,
-            real_time_factor=round(total_s / job.duration, 4) if job.duration else 0.0,
-            speculative=self.drafter is not None and job.options.use_assistant,
-            batch_size=batch,
-            windows=c.windows,
-        )
-        text = "".join(s.text for s in job.segments).strip()
-        return Transcription(
-            text=text,
-            tokens=[t for s in job.segments for t in s.tokens],
-            language=job.language,
-            language_probability=job.language_probability,
-            duration=round(job.duration, 3),
-            segments=job.segments,
-            finish=job.finish,
-            metrics=metrics,
-        )
+        # Only word alignment reads the audio again: one row's copy (~37 MB for base) only then.
+        sot_sequence = self.main.tokenizer.prompt(job.language, job.options.task, timestamps=True)
+        row_cross = cross.select(torch.tensor([row]))
+        words = align_words(self.main, row_cross, sot_sequence, job.text_tokens(first_new), frames, job.language)
+        job.attach_words(words, first_new, offset)

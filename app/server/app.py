@@ -23,6 +23,7 @@ from app.server.http.routes import router
 from app.server.metrics import ServerMetrics
 from app.server.realtime.route import router as realtime_router
 from app.server.serving.service import TranscriptionService
+from app.server.serving.status import ServerStatus
 from app.server.web import STATIC
 from app.server.web import router as web_router
 from app.server.worker.batcher import Batcher
@@ -78,9 +79,9 @@ def create_app(settings: Settings | None = None, *, on_fatal: Callable[[str], No
             settings.realtime_partial_max_wait_s,
             max_queued_samples=round(settings.max_queued_audio_seconds * SAMPLE_RATE),
         )
-        app.state.worker = worker
-        app.state.batcher = batcher
-        app.state.service = TranscriptionService(settings, batcher, metrics)
+        service = TranscriptionService(settings, batcher, metrics)
+        app.state.service = service
+        app.state.status = ServerStatus(worker, batcher, metrics, service)
         worker.start()
         batcher.start()
         try:
@@ -91,9 +92,6 @@ def create_app(settings: Settings | None = None, *, on_fatal: Callable[[str], No
             await worker.stop()
 
     app = FastAPI(title="SpecWhisper", version="0.1.0", lifespan=lifespan)
-    app.state.settings = settings
-    app.state.metrics = metrics
-    app.state.realtime_sessions = 0
     app.include_router(router)
     app.include_router(realtime_router)
     app.include_router(web_router)

@@ -9,11 +9,12 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, File, Form, Request, Response, UploadFile
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from app.api import errors
 from app.server.http.limits import unless_disconnected
 from app.server.serving.service import TranscriptionRequest, TranscriptionService
+from app.server.serving.status import ServerStatus
 
 router = APIRouter()
 CREATED = int(time.time())
@@ -27,6 +28,10 @@ async def sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
 
 def _service(request: Request) -> TranscriptionService:
     return request.app.state.service  # type: ignore[no-any-return]
+
+
+def _status(request: Request) -> ServerStatus:
+    return request.app.state.status  # type: ignore[no-any-return]
 
 
 async def _transcription(
@@ -138,26 +143,10 @@ async def live() -> JSONResponse:
 
 @router.get("/health/ready")
 async def ready(request: Request) -> JSONResponse:
-    worker = request.app.state.worker
-    batcher = request.app.state.batcher
-    body = {
-        "ready": worker.is_ready,
-        "model": worker.ready.model if worker.ready else None,
-        "assistant": worker.ready.assistant if worker.ready else None,
-        "engine": worker.ready.engine if worker.ready else None,
-        "queue_depth": batcher.depth,
-        "worker_restarts": worker.restarts,
-        "worker_pid": worker.pid,
-    }
-    if worker.failure is not None:
-        body["error"] = worker.failure
-    return JSONResponse(body, status_code=200 if worker.is_ready else 503)
+    body, is_ready = _status(request).readiness()
+    return JSONResponse(body, status_code=200 if is_ready else 503)
 
 
 @router.get("/metrics")
 async def metrics(request: Request) -> PlainTextResponse:
-    m = request.app.state.metrics
-    m.queue_depth.set(request.app.state.batcher.depth)
-    m.worker_up.set(1 if request.app.state.worker.is_ready else 0)
-    m.worker_restarts.set(request.app.state.worker.restarts)
-    return PlainTextResponse(generate_latest(m.registry).decode(), media_type=CONTENT_TYPE_LATEST)
+    return PlainTextResponse(_status(request).exposition().decode(), media_type=CONTENT_TYPE_LATEST)

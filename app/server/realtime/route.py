@@ -12,6 +12,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from app.server.http.auth import KEY_SUBPROTOCOL, authorized, websocket_token
 from app.server.realtime.session import Closing, RealtimeSession
+from app.server.serving.service import TooManySessions, TranscriptionService
 
 router = APIRouter()
 log = logging.getLogger("specwhisper.realtime")
@@ -65,8 +66,8 @@ async def _flush_and_close(ws: WebSocket, session: RealtimeSession, why: Closing
 
 @router.websocket("/v1/realtime")
 async def realtime(ws: WebSocket) -> None:
-    state = ws.app.state
-    settings = state.settings
+    service: TranscriptionService = ws.app.state.service
+    settings = service.settings
     offered = list(ws.scope.get("subprotocols") or [])
     subprotocol = _subprotocol(offered)
     if not authorized(websocket_token(ws.headers.get("authorization"), offered), settings.api_keys):
@@ -76,13 +77,15 @@ async def realtime(ws: WebSocket) -> None:
     if intent not in (None, "transcription"):
         await _refuse(ws, subprotocol, "invalid_intent", "This server only serves intent=transcription.", 1008)
         return
-    if state.realtime_sessions >= settings.realtime_max_sessions:
+    try:
+        with service.live_session():  # raises TooManySessions on entry only
+            await ws.accept(subprotocol=subprotocol)
+            await _serve(ws, RealtimeSession(service, settings))
+    except TooManySessions:
         await _refuse(ws, subprotocol, "too_many_sessions", "Too many live sessions; retry later.", 1013)
-        return
-    state.realtime_sessions += 1
-    state.metrics.realtime_sessions.set(state.realtime_sessions)
-    await ws.accept(subprotocol=subprotocol)
-    session = RealtimeSession(state.service, settings)
+
+
+async def _serve(ws: WebSocket, session: RealtimeSession) -> None:
     session.started()
     sender = asyncio.create_task(_send(ws, session))
     receiver = asyncio.create_task(_receive(ws, session))
@@ -99,5 +102,3 @@ async def realtime(ws: WebSocket) -> None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         await session.aclose()
-        state.realtime_sessions -= 1
-        state.metrics.realtime_sessions.set(state.realtime_sessions)

@@ -30,11 +30,10 @@ import soxr
 
 from app.api import errors
 from app.api.audio import SAMPLE_RATE
+from app.api.types import DecodingOptions
 from app.server.realtime.config import ConfigError, SessionConfig, apply_update
 from app.server.realtime.vad import EnergyVad
 from app.server.serving.service import TranscriptionService
-from app.server.worker.batcher import Lane
-from app.server.worker.protocol import Job
 from app.settings import Settings
 
 log = logging.getLogger("specwhisper.realtime")
@@ -121,7 +120,6 @@ class RealtimeSession:
     def __init__(self, service: TranscriptionService, settings: Settings) -> None:
         self.service = service
         self.settings = settings
-        self.metrics = service.metrics
         self.id = _id("sess")
         self.config = SessionConfig(model=service.model_id)
         self.outbound: asyncio.Queue[dict[str, Any]] = asyncio.Queue(OUTBOUND_LIMIT)
@@ -149,7 +147,7 @@ class RealtimeSession:
             self.close(Closing(1008, "the client is not reading its events"))
 
     def error(self, message: str, code: str, param: str | None = None, client_event: str | None = None) -> None:
-        self.metrics.realtime_errors.labels(code=code).inc()
+        self.service.live_error(code)
         # Messages may quote client values (an event type, a model name): clip them, or one client could make
         # the server hold its outbound queue full of megabyte-sized echoes.
         message = message if len(message) <= MAX_ECHO else message[:MAX_ECHO] + "..."
@@ -201,7 +199,7 @@ class RealtimeSession:
     def _update(self, event: dict[str, Any], event_id: str | None) -> None:
         try:
             config = apply_update(self.config, event.get("session", {}))
-            self.service.options(config.model, "transcribe", config.language, config.prompt)
+            self.service.live_options(config.model, config.language, config.prompt)
         except ConfigError as exc:
             self.error(str(exc), "invalid_value", exc.param, event_id)
             return
@@ -328,9 +326,9 @@ class RealtimeSession:
         self._finals.put_nowait(Utterance(item_id, audio, time.perf_counter(), confirmed))
 
     # -- transcription -------------------------------------------------------------------------------
-    def _job(self, audio: np.ndarray) -> Job:
+    def _options(self) -> DecodingOptions:
         c = self.config
-        return Job(_id("rt"), audio, self.service.options(c.model, "transcribe", c.language, c.prompt))
+        return self.service.live_options(c.model, c.language, c.prompt)
 
     def _maybe_partial(self) -> None:
         interval = int(self.settings.realtime_partial_interval_s * SAMPLE_RATE)
@@ -346,8 +344,7 @@ class RealtimeSession:
 
     async def _run_partial(self, item_id: str, audio: np.ndarray) -> None:
         try:
-            pending = self.service.submit(self._job(audio), Lane.LIVE_PARTIAL)
-            transcription, _ = await self.service.result(pending)
+            transcription, _ = await self.service.transcribe_live(audio, self._options(), final=False)
         except errors.ApiError as exc:
             log.info("partial skipped: %s", exc.message)
             return  # a partial is best effort: a busy server skips it
@@ -357,11 +354,6 @@ class RealtimeSession:
         finally:
             if self._partial is asyncio.current_task():
                 self._partial = None
-        self.metrics.realtime_partials.inc()
-        m = transcription.metrics  # partials are work too: count their tokens and drafts
-        self.metrics.tokens.inc(m.tokens)
-        self.metrics.draft_proposed.inc(m.draft_proposed)
-        self.metrics.draft_accepted.inc(m.draft_accepted)
         if item_id != self.item_id:
             return
         words = transcription.text.split()
@@ -399,8 +391,7 @@ class RealtimeSession:
         deadline = time.perf_counter() + self.settings.request_timeout_s
         while True:
             try:
-                pending = self.service.submit(self._job(u.audio), Lane.LIVE_FINAL)
-                transcription, queue_ms = await self.service.result(pending)
+                transcription, queue_ms = await self.service.transcribe_live(u.audio, self._options(), final=True)
                 break
             except errors.ApiError as exc:
                 if exc.status in (429, 503) and time.perf_counter() < deadline:
@@ -418,12 +409,7 @@ class RealtimeSession:
         text = transcription.text
         if rest := _remainder(u.confirmed, text):
             self.emit(self._delta(u.item_id, rest))
-        latency = time.perf_counter() - u.closed_at
-        self.metrics.utterance_latency.observe(latency)
-        metrics = {
-            **self.service.request_metrics(transcription, queue_ms, latency * 1000),
-            "latency_ms": round(latency * 1000, 2),
-        }
+        metrics = self.service.utterance_metrics(transcription, queue_ms, time.perf_counter() - u.closed_at)
         self.emit(
             {
                 "type": "conversation.item.input_audio_transcription.completed",

@@ -1,4 +1,8 @@
-"""The serving layer: validates a transcription request, runs it through the queue, shapes the answer."""
+"""The serving layer: the one service that uploads (REST, SSE) and live sessions (realtime) go through.
+
+It validates a request, decodes its audio off the event loop, queues it in its lane, waits for the worker,
+shapes the answer and records it in the metrics; it also admits live sessions (their number is limited).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,12 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from app.api import errors
 from app.api.audio import AudioError, AudioTooLongError, decode_audio
@@ -48,20 +55,24 @@ class Reply:
     metrics: dict[str, Any]
 
 
+class TooManySessions(Exception):
+    """`realtime_max_sessions` live sessions are open already."""
+
+
 class TranscriptionService:
     def __init__(self, settings: Settings, batcher: Batcher, metrics: ServerMetrics) -> None:
         self.settings = settings
         self.batcher = batcher
         self.metrics = metrics
         self.model_id = settings.served_model_name or settings.model.rstrip("/").split("/")[-1]
+        self.live_sessions = 0
 
     @property
     def model_ids(self) -> list[str]:
         return [self.model_id, *[a for a in self.settings.model_aliases if a != self.model_id]]
 
     def _options(self, req: TranscriptionRequest) -> DecodingOptions:
-        if req.model not in self.model_ids:
-            raise errors.model_not_found(req.model)
+        self._check_model(req.model)
         if req.response_format not in FORMATS:
             raise errors.bad_request(f"response_format must be one of {', '.join(FORMATS)}", param="response_format")
         granularities = set(req.timestamp_granularities)
@@ -77,20 +88,40 @@ class TranscriptionService:
             raise errors.bad_request(
                 "timestamp_granularities requires response_format=verbose_json", param="timestamp_granularities[]"
             )
-        if not 0.0 <= req.temperature <= 1.0:
-            raise errors.bad_request("temperature must be between 0 and 1", param="temperature")
         timestamps = "word" if "word" in granularities else "none"
         if timestamps == "none" and req.response_format in ("srt", "vtt", "verbose_json"):
             timestamps = "segment"
-        language = req.language.strip().lower() if req.language else None
+        return self._decoding_options(
+            req.model, req.task, req.language, req.prompt, req.temperature, timestamps, req.speculative
+        )
+
+    def _check_model(self, model: str) -> None:
+        if model not in self.model_ids:
+            raise errors.model_not_found(model)
+
+    def _decoding_options(
+        self,
+        model: str,
+        task: str,
+        language: str | None,
+        prompt: str | None,
+        temperature: float = 0.0,
+        timestamps: str = "none",
+        speculative: bool = True,
+    ) -> DecodingOptions:
+        """The engine's options for a request of either kind (upload or live); ApiError if they are invalid."""
+        self._check_model(model)
+        if not 0.0 <= temperature <= 1.0:
+            raise errors.bad_request("temperature must be between 0 and 1", param="temperature")
+        language = language.strip().lower() if language else None
         try:
             return DecodingOptions(
                 language=language or None,
-                task=req.task,
-                use_assistant=req.speculative,
+                task=task,
+                use_assistant=speculative,
                 timestamps=timestamps,  # type: ignore[arg-type]
-                prompt=req.prompt or None,
-                temperature=req.temperature,
+                prompt=prompt or None,
+                temperature=temperature,
             )
         except InvalidRequestError as exc:
             raise errors.bad_request(str(exc)) from exc
@@ -111,13 +142,49 @@ class TranscriptionService:
                 f"Could not decode the audio file: {exc}", param="file", code="invalid_audio"
             ) from exc
 
-    def options(
-        self, model: str, task: str, language: str | None, prompt: str | None, speculative: bool = True
-    ) -> DecodingOptions:
-        """Options of a live (realtime) transcription: greedy, no timestamps."""
-        req = TranscriptionRequest(b"", None, None, model, task, language, prompt, speculative=speculative)
-        return self._options(req)
+    # -- live (realtime) transcription -------------------------------------------------------------
+    def live_options(self, model: str, language: str | None, prompt: str | None) -> DecodingOptions:
+        """Options of a live transcription: greedy, no timestamps; ApiError if they are invalid."""
+        return self._decoding_options(model, "transcribe", language, prompt)
 
+    @contextmanager
+    def live_session(self) -> Iterator[None]:
+        """Hold one of the `realtime_max_sessions` places for a live session; TooManySessions when none is free."""
+        if self.live_sessions >= self.settings.realtime_max_sessions:
+            raise TooManySessions
+        self.live_sessions += 1
+        self.metrics.realtime_sessions.set(self.live_sessions)
+        try:
+            yield
+        finally:
+            self.live_sessions -= 1
+            self.metrics.realtime_sessions.set(self.live_sessions)
+
+    async def transcribe_live(
+        self, audio: np.ndarray, options: DecodingOptions, *, final: bool
+    ) -> tuple[Transcription, float]:
+        """Transcribe a live utterance: a `final` one in the first lane, a partial (an utterance still spoken)
+        in the last. Returns the transcription and the time it queued (ms); ApiError when it cannot run."""
+        lane = Lane.LIVE_FINAL if final else Lane.LIVE_PARTIAL
+        transcription, queue_ms = await self.result(self.submit(Job(f"rt_{uuid.uuid4().hex}", audio, options), lane))
+        if not final:
+            self.metrics.realtime_partials.inc()
+            m = transcription.metrics  # partials are work too: count their tokens and drafts
+            self.metrics.tokens.inc(m.tokens)
+            self.metrics.draft_proposed.inc(m.draft_proposed)
+            self.metrics.draft_accepted.inc(m.draft_accepted)
+        return transcription, queue_ms
+
+    def utterance_metrics(self, t: Transcription, queue_ms: float, latency_s: float) -> dict[str, Any]:
+        """The `metrics` of a completed live utterance (`latency_ms`: its last audio to now); also recorded."""
+        self.metrics.utterance_latency.observe(latency_s)
+        return {**self.request_metrics(t, queue_ms, latency_s * 1000), "latency_ms": round(latency_s * 1000, 2)}
+
+    def live_error(self, code: str) -> None:
+        """Count an error event sent to a live client."""
+        self.metrics.realtime_errors.labels(code=code).inc()
+
+    # -- the queue ------------------------------------------------------------------------------------
     def submit(self, job: Job, lane: Lane = Lane.UPLOAD) -> Pending:
         try:
             return self.batcher.submit(job, lane)

@@ -1,0 +1,86 @@
+"""What the server reports about itself: readiness, the Prometheus exposition and the web page's live counters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import generate_latest
+
+from app.server.metrics import ServerMetrics
+from app.server.serving.service import TranscriptionService
+from app.server.worker.batcher import Batcher
+from app.server.worker.supervisor import WorkerSupervisor
+
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+
+class ServerStatus:
+    """Reads the worker's supervisor, the queue and the metrics; changes nothing but the gauges it reports."""
+
+    def __init__(
+        self, worker: WorkerSupervisor, batcher: Batcher, metrics: ServerMetrics, service: TranscriptionService
+    ) -> None:
+        self.worker = worker
+        self.batcher = batcher
+        self.metrics = metrics
+        self.service = service
+
+    def readiness(self) -> tuple[dict[str, Any], bool]:
+        """The body of `/health/ready` and whether the worker is ready to serve."""
+        worker, ready = self.worker, self.worker.ready
+        body: dict[str, Any] = {
+            "ready": worker.is_ready,
+            "model": ready.model if ready else None,
+            "assistant": ready.assistant if ready else None,
+            "engine": ready.engine if ready else None,
+            "queue_depth": self.batcher.depth,
+            "worker_restarts": worker.restarts,
+            "worker_pid": worker.pid,
+        }
+        if worker.failure is not None:
+            body["error"] = worker.failure
+        return body, worker.is_ready
+
+    def exposition(self) -> bytes:
+        """The Prometheus text exposition, with the queue and worker gauges read now."""
+        m = self.metrics
+        m.queue_depth.set(self.batcher.depth)
+        m.worker_up.set(1 if self.worker.is_ready else 0)
+        m.worker_restarts.set(self.worker.restarts)
+        return generate_latest(m.registry)
+
+    def live_counters(self) -> dict[str, Any]:
+        """Counters and gauges for the web page's live panel; the page turns successive snapshots into rates."""
+        s = self._samples()
+        buckets = {labels["le"]: value for labels, value in s.get("specwhisper_batch_size_bucket", [])}
+        sizes, below = {}, 0.0
+        for size in ("1.0", "2.0", "3.0", "4.0"):
+            sizes[str(int(float(size)))] = buckets.get(size, 0.0) - below
+            below = buckets.get(size, below)
+        ready = self.worker.ready
+        return {
+            "ready": self.worker.is_ready,
+            "model": ready.model if ready else None,
+            "assistant": ready.assistant if ready else None,
+            "queue_depth": self.batcher.depth,
+            "inflight": self.batcher.inflight,
+            "batches": sizes,
+            "requests": _total(s, "specwhisper_requests_total"),
+            "audio_seconds": _total(s, "specwhisper_audio_seconds_total"),
+            "tokens": _total(s, "specwhisper_tokens_total"),
+            "drafted": _total(s, "specwhisper_draft_proposed_total"),
+            "accepted": _total(s, "specwhisper_draft_accepted_total"),
+            "realtime_sessions": self.service.live_sessions,
+            "worker_restarts": self.worker.restarts,
+        }
+
+    def _samples(self) -> Samples:
+        found: Samples = {}
+        for family in self.metrics.registry.collect():
+            for sample in family.samples:
+                found.setdefault(sample.name, []).append((sample.labels, sample.value))
+        return found
+
+
+def _total(samples: Samples, name: str) -> float:
+    return sum(value for _, value in samples.get(name, []))
