@@ -15,7 +15,8 @@ import torch
 from app.api.types import DecodingOptions, Transcription
 from app.engine.decoding.batch import DecoderState, Row
 from app.engine.drafting.assistants import model_draft, self_draft
-from app.engine.drafting.base import DecoderDrafter, Drafter, DraftInputs, Drafts, DraftSession
+from app.engine.drafting.base import Drafter, DraftInputs, Drafts
+from app.engine.drafting.decoder import DecoderDrafter, DecoderDraftSession
 from app.engine.engine import Engine
 from app.engine.invariance import decoder_is_batch_invariant
 from app.model.features import N_SAMPLES, log_mel, window
@@ -31,6 +32,8 @@ from tests.drafts import (
     noisy_self_draft,
     random_tiny_checkpoint,
 )
+
+pytestmark = pytest.mark.slow  # not in the quick tier: decodes real clips with every draft and with transformers
 
 # Up to 30 s each, five languages, short and long utterances.
 CLIPS = {
@@ -169,7 +172,7 @@ class RecordingDrafter:
         self.name = inner.name
         self.sessions: list[dict[str, list[int] | int]] = []
 
-    def start(self, inputs: DraftInputs) -> DraftSession:
+    def start(self, inputs: DraftInputs) -> DecoderDraftSession:
         session = self.inner.start(inputs)
         record: dict[str, list[int] | int] = {"adopted_at": [], "first_drafted_from": []}
         self.sessions.append(record)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+import pytest
 import torch
 from scipy.stats import chi2_contingency
 
 from app.engine.decoding.batch import Row
 from app.engine.decoding.logits import LogitRules, SuppressTokens
-from app.engine.drafting.base import DecoderDrafter, DraftInputs, DraftLength
+from app.engine.drafting.base import DraftInputs, DraftLength
+from app.engine.drafting.decoder import DecoderDrafter
 from app.engine.generate import decode
 from app.model.decoder import TextDecoder
 from app.model.whisper import GenerationConstants, WhisperModel
@@ -66,6 +68,7 @@ def _draws(main: WhisperModel, draft: TextDecoder | None, seed: int) -> tuple[np
     return np.array(pairs), accepted / max(drafted, 1)
 
 
+@pytest.mark.slow  # thousands of sampled decoding steps (~150 s on 2 cores)
 def test_speculative_sampling_matches_main_distribution(base: WhisperModel) -> None:
     main, draft = _tiny_pair(base)
     plain, _ = _draws(main, None, seed=10)

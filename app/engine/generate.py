@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from app.engine.decoding.batch import DecoderState, Row, gather_positions, scored_logits
 from app.engine.decoding.selection import greedy_select, speculative_sample
-from app.engine.drafting.base import Drafts, DraftSession
+from app.engine.drafting.base import Drafts, DraftSession, PromptAdopting
 from app.model.decoder import CrossKV
 from app.model.whisper import WhisperModel
 
@@ -78,7 +79,7 @@ def decode(
     active = list(range(len(rows)))
     first = True
     # A draft that takes the main model's cache of a long prompt waits for the first pass to fill it.
-    adopt = draft is not None and draft.adopts_prompt(rows)
+    adopt = isinstance(draft, PromptAdopting) and draft.adopts_prompt(rows)
     while active:
         live = [rows[i] for i in active]
         drafts = Drafts.empty(len(live))
@@ -119,16 +120,14 @@ def decode(
             s.draft_passes += draft_passes
         # The main cache holds the old tokens and the drafts; keep what was accepted.
         state.rewind([len(row.tokens) - 1 for row in live])
-        if draft is not None and first and adopt:
-            draft.adopt(state)
+        if first and adopt:
+            cast(PromptAdopting, draft).adopt(state)
         first = False
         if draft is not None:
             draft.update_candidate_strategy(live, accepted, [len(d) for d in drafts.tokens])
         keep = [b for b, row in enumerate(live) if row.finish is None]
         if len(keep) < len(live):
             state.keep(keep)
-            if draft is not None:
-                draft.keep(keep)
             active = [active[b] for b in keep]
     return [
         Decoded(row.generated, row.finish or "stop", row.sum_logprob, row.no_speech_prob, s)

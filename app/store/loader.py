@@ -107,7 +107,7 @@ def load_model(
             raise CheckpointError(f"{path}: config.json does not account for {len(unread)} tensors, e.g. {unread[0]}")
     # fp32 on the CPU: every product on oneDNN's kernels with prepacked weights (app/model/kernels.py).
     # Torch's default GEMM streamed the decoder's 1..k-row products, above all the 100 MB vocabulary
-    # projection, at a fraction of the memory bandwidth (docs/performance.md).
+    # projection, at a fraction of the memory bandwidth (docs/history/performance-log.md).
     pack_linears(decoder)
     if encoder is not None:
         pack_linears(encoder)

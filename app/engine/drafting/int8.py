@@ -4,7 +4,7 @@ Two implementations of the same idea (int8 weights, activations quantized on the
 - `Int8Linear`: this project's kernel (`csrc/int8_linear.cpp`, built and loaded by `app.model.native`)
   for x86-64 CPUs with AVX2 + FMA, which runs AVX-512 VNNI code where the CPU has it. A draft step
   runs ~37 small products one row at a time; torch's dynamic int8 linear spends 15-30 us on each
-  whatever its size, this kernel 3-10 us (docs/performance.md).
+  whatever its size, this kernel 3-10 us (docs/history/performance-log.md).
 - `Int8DraftStack`: the same kernel running all layers of such a draft in one call, for draft
   steps (every row feeds one token): ~150 small torch ops per step become one.
 - `dynamic_int8`: torch's dynamic int8 linear (fbgemm), wherever the kernel cannot be built or run.

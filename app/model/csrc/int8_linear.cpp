@@ -12,7 +12,7 @@
 // own target below, whatever CPU builds the library, and the best one this CPU runs is picked at load
 // time (`isa()`). For one or a few rows this runs 2-5x faster than torch's dynamic int8 linear
 // (fbgemm), whose fixed cost per call dominates the small products of a draft step
-// (docs/performance.md).
+// (docs/history/performance-log.md).
 
 // ATen's tensor, the two factory ops used and torch's pybind11 casters, not <torch/extension.h>: the C++
 // front end it pulls in tripled the compile time (70 s against 31 s on a 2-core machine).
