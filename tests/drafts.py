@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from app.engine.drafting.base import DecoderDrafter, DraftLength
+from app.engine.drafting.base import DraftLength
+from app.engine.drafting.decoder import DecoderDrafter
 from app.engine.drafting.int8 import int8_draft_decoder
 from app.model.whisper import WhisperModel
 
