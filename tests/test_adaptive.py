@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from app.server.worker.policy import BatchCost, ModePolicy
+from app.tools.manifest import read_manifest
+from tests.conftest import run_app
 
 
 def run(policy: ModePolicy, batch: int, cost: dict[str, float], batches: int) -> list[str]:
@@ -141,18 +141,14 @@ def test_fixed_modes_and_validation() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.server  # the bench command starts one per mode
 def test_server_bench_compares_modes_through_real_servers(benchdata: Path, tmp_path: Path) -> None:
     """`python -m app bench --concurrency` starts a server per mode with the engine flags it was given."""
     manifest = benchdata / "manifest.jsonl"
     out = tmp_path / "concurrency.json"
     load = ["--concurrency", "1,2", "--limit", "2", "--requests-per-client", "1", "--rounds", "1", "--languages", "es"]
     engine_flags = ["--threads", "1"]  # not the default of a multi-core machine
-    proc = subprocess.run(
-        [sys.executable, "-m", "app", "bench", "--manifest", str(manifest), *load, *engine_flags, "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    proc = run_app("bench", "--manifest", str(manifest), *load, *engine_flags, "--json", str(out), timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["clips"] == 2 and report["identical_texts"] is True
@@ -160,7 +156,7 @@ def test_server_bench_compares_modes_through_real_servers(benchdata: Path, tmp_p
     for engine in report["engines"].values():
         assert engine["threads"] == 1 and engine["dtype"] == "float32"
     # The clips' own language reaches the server: Spanish comes back in Spanish, not translated.
-    references = {e["id"]: e["text"] for e in map(json.loads, manifest.read_text().splitlines())}
+    references = {c.id: c.text for c in read_manifest(manifest)}
     assert sorted(report["texts"]) == sorted(report["clip_ids"]) and all(
         c.startswith("fleurs/fleurs-es") for c in report["texts"]
     )

@@ -18,6 +18,8 @@ from app.settings import Settings
 from app.store.catalog import ModelStore
 from app.store.loader import load_model
 
+pytestmark = pytest.mark.slow  # not in the quick tier: loads and decodes with several assistant models
+
 
 def test_mismatched_vocabulary_fails_at_startup_naming_both() -> None:
     with pytest.raises(VocabularyMismatchError) as err:

@@ -3,37 +3,23 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from app.model.native import cpu_runs_kernel, kernel_isa
 from app.tools.bench import select_clips
+from app.tools.manifest import read_manifest
+from tests.conftest import run_app
 
 
+@pytest.mark.slow  # the whole bench, with reference decoders and a child process per mode
 def test_bench_reports_identical_tokens_and_ratios(benchdata: Path, tmp_path: Path) -> None:
     out_json = tmp_path / "bench.json"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "app",
-            "bench",
-            "--manifest",
-            str(benchdata / "manifest.jsonl"),
-            "--languages",
-            "en,es",
-            "--limit",
-            "3",
-            "--batch",
-            "2",
-            "--json",
-            str(out_json),
-        ],
-        capture_output=True,
-        text=True,
+    out = run_app(
+        "bench",
+        *("--manifest", str(benchdata / "manifest.jsonl"), "--languages", "en,es", "--limit", "3", "--batch", "2"),
+        *("--json", str(out_json)),
         timeout=900,
     )
     assert out.returncode == 0, out.stderr
@@ -86,14 +72,15 @@ def test_bench_reports_identical_tokens_and_ratios(benchdata: Path, tmp_path: Pa
 
 def test_clip_selection_by_language_subset_and_length(benchdata: Path) -> None:
     manifest = benchdata / "manifest.jsonl"
-    entries = [json.loads(line) for line in manifest.read_text().splitlines() if line.strip()]
+    entries = read_manifest(manifest)
     short = select_clips(manifest, {"en"}, None)
-    assert short and all(e["language"] == "en" and e["duration_s"] <= 30 for e in short)
-    assert len(short) == sum(e["language"] == "en" and e["duration_s"] <= 30 for e in entries)
+    assert short and all(e.language == "en" and e.duration_s <= 30 for e in short)
+    assert len(short) == sum(e.language == "en" and e.duration_s <= 30 for e in entries)
     long = select_clips(manifest, None, None, subset="long")
-    assert long and all(e["subset"] == "long" and e["duration_s"] > 60 for e in long)
-    assert [e["id"] for e in select_clips(manifest, {"de"}, 2, subset="short")] == [
-        e["id"] for e in entries if e["language"] == "de"
+    assert long and all(e.subset == "long" and e.duration_s > 60 for e in long)
+    assert [e.id for e in select_clips(manifest, {"de"}, 2, subset="short")] == [
+        e.id for e in entries if e.language == "de"
     ][:2]
+    assert all(e.audio.is_file() for e in entries)  # paths resolved against the manifest's folder
     with pytest.raises(ValueError, match="no clips"):
         select_clips(manifest, {"en"}, None, max_seconds=0.5)

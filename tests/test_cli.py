@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import needs_native
+import pytest
+
+from tests.conftest import needs_native, run_app
+
+pytestmark = pytest.mark.slow  # not in the quick tier: each test runs `python -m app` commands that load models
 
 METRIC_FIELDS = {
     "audio_seconds",
@@ -23,14 +27,10 @@ METRIC_FIELDS = {
 }
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "app", *args], capture_output=True, text=True, timeout=600)
-
-
 def test_transcribe_json_speculative_and_plain_agree(benchdata: Path) -> None:
     files = [str(benchdata / "audio/whisper/jfk.wav"), str(benchdata / "audio/fleurs/fleurs-es-002.wav")]
-    spec = _run("transcribe", *files, "--format", "json")
-    plain = _run("transcribe", *files, "--format", "json", "--no-assistant")
+    spec = run_app("transcribe", *files, "--format", "json")
+    plain = run_app("transcribe", *files, "--format", "json", "--no-assistant")
     assert spec.returncode == 0, spec.stderr
     assert plain.returncode == 0, plain.stderr
     spec_rows = [json.loads(line) for line in spec.stdout.splitlines()]
@@ -52,38 +52,38 @@ def test_half_precision_flags(benchdata: Path) -> None:
     encoder alone) both transcribe speculatively; a bad choice is refused by name."""
     jfk = str(benchdata / "audio/whisper/jfk.wav")
     for flags in (["--dtype", "bfloat16"], ["--encoder-dtype", "bfloat16"]):
-        out = _run("transcribe", jfk, "--language", "en", "--format", "json", *flags)
+        out = run_app("transcribe", jfk, "--language", "en", "--format", "json", *flags)
         assert out.returncode == 0, out.stderr
         row = json.loads(out.stdout)
         assert "ask not what your country can do for you" in row["text"].lower(), flags
         assert row["metrics"]["draft_accepted"] > 0, flags
-    bad = _run("transcribe", jfk, "--encoder-dtype", "int4")
+    bad = run_app("transcribe", jfk, "--encoder-dtype", "int4")
     assert bad.returncode == 2 and "invalid choice: 'int4'" in bad.stderr
 
 
 def test_text_format_and_errors(benchdata: Path, tmp_path: Path) -> None:
     bad = tmp_path / "bad.wav"
     bad.write_bytes(b"RIFF\x00\x00\x00\x00WAVEjunk")
-    out = _run("transcribe", str(bad), str(benchdata / "audio/whisper/jfk.wav"), "--language", "en")
+    out = run_app("transcribe", str(bad), str(benchdata / "audio/whisper/jfk.wav"), "--language", "en")
     assert out.returncode == 1
     assert "bad.wav" in out.stderr and "error" in out.stderr
     assert out.stdout.strip().startswith("And so my fellow Americans")
 
 
 def test_models_list() -> None:
-    out = _run("models", "list")
+    out = run_app("models", "list")
     assert out.returncode == 0
     assert "whisper-base" in out.stdout and "whisper-tiny.en" in out.stdout
 
 
 def test_subtitle_and_verbose_formats(benchdata: Path) -> None:
     jfk = str(benchdata / "audio/whisper/jfk.wav")
-    srt = _run("transcribe", jfk, "--language", "en", "--format", "srt")
+    srt = run_app("transcribe", jfk, "--language", "en", "--format", "srt")
     assert srt.returncode == 0, srt.stderr
     assert srt.stdout.startswith("1\n00:00:00,000 --> 00:00:0")
-    vtt = _run("transcribe", jfk, "--language", "en", "--format", "vtt")
+    vtt = run_app("transcribe", jfk, "--language", "en", "--format", "vtt")
     assert vtt.stdout.startswith("WEBVTT\n\n00:00:00.000 --> ")
-    verbose = _run("transcribe", jfk, "--format", "verbose_json", "--timestamps", "word")
+    verbose = run_app("transcribe", jfk, "--format", "verbose_json", "--timestamps", "word")
     body = json.loads(verbose.stdout)
     assert body["task"] == "transcribe" and body["language"] == "en" and body["duration"] == 11.0
     assert (
@@ -94,8 +94,8 @@ def test_subtitle_and_verbose_formats(benchdata: Path) -> None:
 
 def test_batch_flag_gives_the_same_tokens(benchdata: Path) -> None:
     files = [str(benchdata / f"audio/fleurs/fleurs-{lang}-002.wav") for lang in ("de", "es", "pt")]
-    one_by_one = _run("transcribe", *files, "--format", "json")
-    batched = _run("transcribe", *files, "--format", "json", "--batch")
+    one_by_one = run_app("transcribe", *files, "--format", "json")
+    batched = run_app("transcribe", *files, "--format", "json", "--batch")
     assert batched.returncode == 0, batched.stderr
     rows = [json.loads(line) for line in batched.stdout.splitlines()]
     assert [r["tokens"] for r in rows] == [json.loads(line)["tokens"] for line in one_by_one.stdout.splitlines()]

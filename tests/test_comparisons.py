@@ -12,6 +12,8 @@ from app.engine.engine import Engine
 from app.model.whisper import WhisperModel
 from app.tools.comparisons import FasterWhisper, HFGenerate
 
+pytestmark = pytest.mark.slow  # not in the quick tier: transformers and faster-whisper decode real clips
+
 CLIP = "whisper/jfk"
 
 

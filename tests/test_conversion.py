@@ -17,8 +17,11 @@ from app.api.types import DecodingOptions
 from app.engine.engine import Engine
 from app.store.catalog import EMBEDDED, ModelNotFoundError, ModelStore
 from app.store.convert import convert_ct2
-from app.store.ct2 import read_ct2
+from app.store.ct2 import model_file, read_ct2
 from app.store.loader import load_model
+from tests.conftest import run_app
+
+pytestmark = pytest.mark.slow  # not in the quick tier: converts the embedded models and loads them in transformers
 
 
 def _ct2_source(name: str) -> tuple[list[Path], Path]:
@@ -30,11 +33,7 @@ def _ct2_source(name: str) -> tuple[list[Path], Path]:
 @pytest.mark.parametrize("name", ["whisper-tiny.en", "whisper-base"])
 def test_converted_tensors_equal_source(name: str, store: ModelStore, tmp_path: Path) -> None:
     parts, _ = _ct2_source(name)
-    src_file = parts[0]
-    if len(parts) > 1:
-        src_file = tmp_path / "model.bin"
-        src_file.write_bytes(b"".join(p.read_bytes() for p in parts))
-    ct2 = read_ct2(src_file)
+    ct2 = read_ct2(model_file(parts, tmp_path / "model.bin"))
     converted = load_file(str(store.convert_embedded(name, progress=False) / "model.safetensors"))
 
     d = ct2["decoder/embeddings/weight"].shape[1]
@@ -92,43 +91,16 @@ def test_convert_ct2_directory_then_transcribe_jfk(tmp_path: Path, benchdata: Pa
     """A CT2 directory given on the command line is converted (with a progress bar) and used."""
     _, bundle = _ct2_source("whisper-tiny.en")
     store = tmp_path / "store"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "app",
-            "models",
-            "convert",
-            str(bundle),
-            "--name",
-            "tiny-en-test",
-            "--models-dir",
-            str(store),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    out = run_app("models", "convert", str(bundle), "--name", "tiny-en-test", "--models-dir", str(store))
+    assert out.returncode == 0, out.stderr
     assert "converting" in out.stderr  # tqdm progress bar
     assert (store / "tiny-en-test" / "model.safetensors").is_file()
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "app",
-            "transcribe",
-            str(benchdata / "audio/whisper/jfk.wav"),
-            "--model",
-            str(store / "tiny-en-test"),
-            "--assistant",
-            "none",
-            "--models-dir",
-            str(store),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
+    out = run_app(
+        "transcribe",
+        str(benchdata / "audio/whisper/jfk.wav"),
+        *("--model", str(store / "tiny-en-test"), "--assistant", "none", "--models-dir", str(store)),
     )
+    assert out.returncode == 0, out.stderr
     assert "ask not what your country can do for you" in out.stdout.lower()
 
 

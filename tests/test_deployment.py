@@ -23,7 +23,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.server import ServerProcess
+from tests.server import ServerProcess, metric, running, starts_server
 
 ROOT = Path(__file__).resolve().parent.parent
 HAPROXY_CFG = ROOT / "docker" / "haproxy" / "haproxy.cfg"
@@ -158,10 +158,7 @@ def all_up(state: dict[str, str]) -> bool:
 
 def served(replica: ServerProcess, status: int = 200) -> int:
     """How many transcription requests the replica answered with `status` (its own Prometheus counter)."""
-    text = httpx.get(f"{replica.url}/metrics", timeout=10).text
-    pattern = rf'specwhisper_requests_total\{{route="{TRANSCRIPTIONS}",status="{status}"\}} ([\d.]+)'
-    match = re.search(pattern, text)
-    return int(float(match.group(1))) if match else 0
+    return int(metric(replica, "specwhisper_requests_total", 0.0, route=TRANSCRIPTIONS, status=str(status)))
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +167,7 @@ def clip(benchdata: Path) -> bytes:
 
 
 @pytest.fixture(scope="module")
+@starts_server
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
     haproxy_binary()
     port = free_port_on_all()
@@ -181,13 +179,8 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Ser
         srv = ServerProcess({**env, "SPECWHISPER_HOST": ip}, log=logs / f"{ip}.log")
         srv.port, srv.url = port, f"http://{ip}:{port}"
         procs[ip] = srv
-    with cf.ThreadPoolExecutor(len(procs)) as pool:  # load both models at once
-        list(pool.map(lambda s: s.start(), procs.values()))
-    yield procs
-    for srv in procs.values():
-        if srv.proc is not None and srv.proc.poll() is None:
-            os.kill(srv.proc.pid, signal.SIGCONT)
-            srv.stop()
+    with running(*procs.values()):  # both models load at once; a replica a test stopped is continued to stop
+        yield procs
 
 
 @pytest.fixture(scope="module")

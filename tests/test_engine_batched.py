@@ -15,6 +15,8 @@ from app.engine.engine import Engine
 from app.model.whisper import WhisperModel
 from tests.drafts import noisy_self_draft
 
+pytestmark = pytest.mark.slow  # not in the quick tier: decodes real clips in every batch shape
+
 # (clip, options) requests of different lengths, languages, tasks, prompts and timestamp modes.
 REQUESTS = [
     ("whisper/jfk", DecodingOptions(language="en", timestamps="segment")),
@@ -99,7 +101,7 @@ def test_long_form_is_exact(base: WhisperModel, clip: Callable, manifest: dict, 
     with a short clip. The long clip joins LJ001-0001..0032 with 0.25 s of silence between them; it is cut
     in the silence after the 14th sentence, so the first 14 sentences are its reference."""
     sentences = [manifest[f"ljspeech/LJ001-{n:04d}"] for n in range(1, 15)]
-    cut = sum(s["duration_s"] for s in sentences) + 0.25 * (len(sentences) - 1) + 0.125
+    cut = sum(s.duration_s for s in sentences) + 0.25 * (len(sentences) - 1) + 0.125
     audio = [clip("ljspeech_longform/LJ001-0001_to_LJ001-0032")[: int(cut * 16000)], clip("fleurs/fleurs-de-009")]
     opts = [DecodingOptions(language="en"), DecodingOptions(language="de")]
     plain = Engine(base).transcribe(audio, opts)
@@ -111,7 +113,7 @@ def test_long_form_is_exact(base: WhisperModel, clip: Callable, manifest: dict, 
         assert ends == sorted(ends) and ends[-1] <= s.duration + 1.0
     assert spec[0].metrics.windows >= 4
     long_text = _words(spec[0].text)
-    reference = _words(" ".join(s["text"] for s in sentences))
+    reference = _words(" ".join(s.text for s in sentences))
     assert " ".join(reference[:8]) in " ".join(long_text)
     assert " ".join(reference[-6:]) in " ".join(long_text)  # the last window was reached
     assert len(long_text) > 0.8 * len(reference)

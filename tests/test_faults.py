@@ -15,7 +15,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ import pytest
 import soundfile as sf
 from websockets.sync.client import connect
 
-from tests.server import ServerProcess
+from tests.server import ServerProcess, post, running_server, server_fixture
 from tests.server import metric as server_metric
 
 LONG_CLIP = "audio/fleurs/fleurs-de-009.wav"  # 43 s: two windows, several seconds of work
@@ -33,18 +32,17 @@ SHORT_CLIP = "audio/ljspeech/LJ001-0002.wav"  # "in being comparatively modern."
 SHORT_TEXT = "in being comparatively modern."
 GRACEFUL = (0, -signal.SIGTERM)
 
+pytestmark = pytest.mark.server  # every test here starts a server (the module's, or one of its own)
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("faults") / "server.log"
-    env = {
+server = server_fixture(
+    {
         "SPECWHISPER_MAX_BATCH": "1",
         "SPECWHISPER_BATCH_WINDOW_MS": "0",
         "SPECWHISPER_MAX_QUEUED_AUDIO_SECONDS": "60",
-    }
-    srv = ServerProcess(env, log=log, own_group=True).start()
-    yield srv
-    srv.stop()
+    },
+    name="faults",
+    own_group=True,
+)
 
 
 @pytest.fixture(scope="module")
@@ -66,16 +64,6 @@ def wait_until(predicate: Any, timeout: float = 120, what: str = "condition") ->
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
-
-
-def post(server: ServerProcess, audio: bytes, **headers: str) -> httpx.Response:
-    return httpx.post(
-        f"{server.url}/v1/audio/transcriptions",
-        data={"model": "whisper-1"},
-        files={"file": ("a.wav", audio)},
-        headers=headers,
-        timeout=300,
-    )
 
 
 def multipart(audio: bytes, boundary: str = "specwhisper-boundary") -> tuple[bytes, str]:
@@ -166,12 +154,9 @@ def test_a_model_that_cannot_load_stops_the_server_with_the_reason(tmp_path: Pat
     empty = tmp_path / "not-a-model"
     empty.mkdir()
     log = tmp_path / "server.log"
-    srv = ServerProcess({"SPECWHISPER_MODEL": str(empty)}, log=log).launch()
-    assert srv.proc is not None
-    try:
+    with running_server({"SPECWHISPER_MODEL": str(empty)}, log, ready=False) as srv:
+        assert srv.proc is not None
         code = srv.proc.wait(timeout=120)
-    finally:
-        srv.stop()
     text = log.read_text()
     assert code == 1, text[-2000:]
     assert text.count("so it is not restarted") == 1 and "restarting" not in text, text[-2000:]
@@ -183,36 +168,32 @@ def test_a_hung_worker_is_killed_and_replaced(long_audio: bytes, short_audio: by
     """A worker that stops (SIGSTOP) in the middle of a batch sends no heartbeat: after the stall
     timeout the supervisor kills it, the batch's request gets 503, and a new worker serves."""
     env = {"SPECWHISPER_MAX_BATCH": "1", "SPECWHISPER_WORKER_STALL_TIMEOUT_S": "6"}
-    srv = ServerProcess(env, log=tmp_path / "server.log").start()
-    hung = httpx.get(f"{srv.url}/health/ready").json()["worker_pid"]
-    try:
-        assert post(srv, short_audio).status_code == 200
-        answer: list[httpx.Response] = []
-        upload = threading.Thread(target=lambda: answer.append(post(srv, long_audio)))
-        upload.start()
-        wait_until(lambda: metric(srv, "specwhisper_batch_size_count") >= 2, what="the long batch to start")
-        os.kill(hung, signal.SIGSTOP)
-        upload.join(120)
-        assert answer and answer[0].status_code == 503, answer and answer[0].text
-        assert "killing it as hung" in (tmp_path / "server.log").read_text()
-        srv.wait_ready(180)
-        assert httpx.get(f"{srv.url}/health/ready").json()["worker_pid"] != hung
-        assert post(srv, short_audio).json()["text"] == SHORT_TEXT
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(hung, signal.SIGKILL)
-        srv.stop()
+    with running_server(env, tmp_path / "server.log") as srv:
+        hung = httpx.get(f"{srv.url}/health/ready").json()["worker_pid"]
+        try:
+            assert post(srv, short_audio).status_code == 200
+            answer: list[httpx.Response] = []
+            upload = threading.Thread(target=lambda: answer.append(post(srv, long_audio)))
+            upload.start()
+            wait_until(lambda: metric(srv, "specwhisper_batch_size_count") >= 2, what="the long batch to start")
+            os.kill(hung, signal.SIGSTOP)
+            upload.join(120)
+            assert answer and answer[0].status_code == 503, answer and answer[0].text
+            assert "killing it as hung" in (tmp_path / "server.log").read_text()
+            srv.wait_ready(180)
+            assert httpx.get(f"{srv.url}/health/ready").json()["worker_pid"] != hung
+            assert post(srv, short_audio).json()["text"] == SHORT_TEXT
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(hung, signal.SIGKILL)
 
 
 def test_a_worker_that_never_gets_ready_is_restarted(tmp_path: Path) -> None:
     """Models that take longer to load than allowed (here 1 s): the worker is killed and started again."""
     log = tmp_path / "server.log"
-    srv = ServerProcess({"SPECWHISPER_WORKER_START_TIMEOUT_S": "1"}, log=log).launch()
-    try:
+    with running_server({"SPECWHISPER_WORKER_START_TIMEOUT_S": "1"}, log, ready=False) as srv:
         wait_until(lambda: log.read_text().count("not ready after") >= 2, timeout=60, what="two restarts")
         assert httpx.get(f"{srv.url}/health/ready").status_code == 503
-    finally:
-        srv.stop()
 
 
 def test_slow_upload_does_not_block_other_requests(server: ServerProcess, short_audio: bytes) -> None:
@@ -360,9 +341,8 @@ def test_worker_does_not_outlive_a_killed_server(long_audio: bytes, tmp_path: Pa
     buf = io.BytesIO()
     sf.write(buf, np.tile(samples, 4), rate, format="WAV")
     env = {"SPECWHISPER_MAX_BATCH": "1", "SPECWHISPER_BATCH_WINDOW_MS": "0"}
-    srv = ServerProcess(env, log=tmp_path / "server.log", own_group=True).start()
-    assert srv.proc is not None
-    try:
+    with running_server(env, tmp_path / "server.log", own_group=True) as srv:
+        assert srv.proc is not None
         worker = httpx.get(f"{srv.url}/health/ready").json()["worker_pid"]
 
         def upload() -> None:
@@ -375,8 +355,6 @@ def test_worker_does_not_outlive_a_killed_server(long_audio: bytes, tmp_path: Pa
         os.killpg(srv.proc.pid, signal.SIGKILL)
         wait_until(lambda: not _alive(worker), timeout=10, what="the worker to exit")
         thread.join(60)
-    finally:
-        srv.stop()
 
 
 def test_sigterm_drains_running_and_queued_requests(server: ServerProcess, short_audio: bytes) -> None:

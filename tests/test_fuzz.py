@@ -31,7 +31,8 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from app.api.audio import SAMPLE_RATE, AudioError, AudioTooLongError, decode_audio
-from tests.server import ServerProcess
+from app.tools.scrape import scrape_metrics
+from tests.server import ServerProcess, post, server_fixture
 
 CASES = int(os.environ.get("SPECWHISPER_FUZZ_CASES", "400"))
 SHARE = {"decode": 0.5, "upload": 0.3, "realtime": 0.2}  # of CASES, per property
@@ -217,20 +218,16 @@ def test_many_channels_at_a_high_rate_decode_in_bounded_memory(tmp_path: Path) -
 
 
 # -- against the real server ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    env = {
+server = server_fixture(
+    {
         "SPECWHISPER_MAX_UPLOAD_BYTES": "300000",
         "SPECWHISPER_MAX_AUDIO_SECONDS": "30",
         "SPECWHISPER_REALTIME_MAX_EVENT_BYTES": "65536",
         "SPECWHISPER_BATCH_WINDOW_MS": "0",
-    }
-    srv = ServerProcess(env, log=tmp_path_factory.mktemp("fuzz") / "server.log").start()
-    yield srv
-    srv.stop()
-    assert srv.log_path is not None
-    log = srv.log_path.read_text(errors="replace")
-    assert "Traceback" not in log, log[log.index("Traceback") - 500 : log.index("Traceback") + 3000]
+    },
+    name="fuzz",
+    clean_log=True,
+)
 
 
 @pytest.fixture(scope="module")
@@ -239,10 +236,7 @@ def speech(benchdata: Path) -> bytes:
 
 
 def known_good(server: ServerProcess, speech: bytes) -> None:
-    r = httpx.post(
-        f"{server.url}/v1/audio/transcriptions", data={"model": "whisper-1"}, files={"file": ("a.wav", speech)},
-        timeout=300,
-    )  # fmt: skip
+    r = post(server, speech)
     assert r.status_code == 200 and r.json()["text"] == "in being comparatively modern."
 
 
@@ -498,5 +492,4 @@ def test_generated_websocket_frames_get_events_or_errors(server: ServerProcess, 
 
     run()
     known_good(server, speech)
-    text = httpx.get(f"{server.url}/metrics").text
-    assert "specwhisper_realtime_errors_total" in text
+    assert "specwhisper_realtime_errors_total" in scrape_metrics(server.url)

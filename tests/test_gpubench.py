@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from app.tools.gpubench import MAX_CANDIDATES, SHAPES, predict, run_gpubench
+from tests.conftest import run_app
 
 
 def test_predict_matches_hand_computed_speedups() -> None:
@@ -33,7 +32,7 @@ def test_cpu_smoke_reports_every_step_cost() -> None:
 def test_cli_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
     args = ["gpubench", "--device", "cpu", "--dtype", "float32", "--shape", "tiny", "--steps", "1", "--json", str(out)]
-    done = subprocess.run([sys.executable, "-m", "app", *args], capture_output=True, text=True, timeout=300)
+    done = run_app(*args, timeout=300)
     assert done.returncode == 0, done.stderr
     assert json.loads(out.read_text())["shape"]["main_layers"] == SHAPES["tiny"].main_layers
 

@@ -21,19 +21,19 @@ from torch import Tensor, nn
 
 from app.engine.decoding.batch import DecoderState
 from app.engine.drafting.int8 import Int8Linear, dynamic_int8, int8_draft_decoder, int8_twin
+from app.model.cpu import cpu_flags
 from app.model.decoder import CrossKV, TextDecoder
 from app.model.features import N_SAMPLES, log_mel, window
 from app.model.kernels import PackedLinear, packing_available
 from app.model.native import cpu_runs_kernel, kernel_extension, kernel_sources
 from app.model.whisper import WhisperModel
+from tests.conftest import run_app
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cpu_has_vnni() -> bool:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"))
+    return cpu_flags().issuperset(("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"))
 
 
 needs_kernel = pytest.mark.skipif(not cpu_runs_kernel(), reason="this CPU has no AVX2 + FMA")
@@ -72,6 +72,7 @@ def test_a_build_killed_midway_does_not_block_later_loads(tmp_path: Path) -> Non
     assert "did not finish" in run.stderr
 
 
+@pytest.mark.slow  # builds a wheel
 def test_a_built_package_carries_every_kernel_source(tmp_path: Path) -> None:
     """The images build the kernel from `pip install .`: the package must hold every file it includes, and
     the build names (which hash `kernel_sources()`) must change with each of them."""
@@ -112,17 +113,12 @@ print(json.dumps({"library": getattr(ext, "__file__", None), "kernel": isinstanc
 
 
 @needs_kernel
+@pytest.mark.slow  # compiles the portable kernel library
 def test_a_portable_build_serves_a_machine_without_a_compiler(tmp_path: Path) -> None:
     """`kernels --install` compiles a library that a process with no compiler on its PATH loads and
     runs; without it such a process falls back to torch's int8 linear instead of failing."""
     prebuilt = tmp_path / "prebuilt"
-    build = subprocess.run(
-        [sys.executable, "-m", "app", "kernels", "--install", str(prebuilt)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    build = run_app("kernels", "--install", str(prebuilt), cwd=ROOT, timeout=900)
     assert build.returncode == 0, build.stderr
     (tmp_path / "bin").mkdir()
 

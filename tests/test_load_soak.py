@@ -6,21 +6,14 @@ import asyncio
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from app.tools.loadtest import load_clips, loadtest
-from tests.server import ServerProcess
+from tests.server import ServerProcess, server_fixture
 
-
-@pytest.fixture(scope="module")
-def small_queue_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    env = {"SPECWHISPER_QUEUE_SIZE": "6", "SPECWHISPER_MAX_BATCH": "4"}
-    srv = ServerProcess(env, log=tmp_path_factory.mktemp("load") / "server.log").start()
-    yield srv
-    srv.stop()
+small_queue_server = server_fixture({"SPECWHISPER_QUEUE_SIZE": "6", "SPECWHISPER_MAX_BATCH": "4"}, name="load")
 
 
 def test_32_clients_get_correct_answers_or_429_with_retry_after(
@@ -38,6 +31,7 @@ def test_32_clients_get_correct_answers_or_429_with_retry_after(
 
 
 @pytest.mark.slow
+@pytest.mark.server  # the soak command starts its own
 def test_soak_command_runs_and_passes_for_a_minute(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     cmd = [sys.executable, "-m", "app", "soak", "--minutes", "1", "--warmup-minutes", "0.3", "--interval", "20"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -12,27 +11,24 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from app.server.http.auth import authorized
-from tests.server import ServerProcess
+from tests.server import ServerProcess, server_fixture
 
 KEY = "sk-secret-7f3a9c1e5b2d"
 WRONG = "sk-wrong-0d9e8c7b6a5f"
 
 
-@pytest.fixture(scope="module")
-def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
-    tmp = tmp_path_factory.mktemp("server-tmp")
-    env = {
+secured = server_fixture(
+    lambda tmp_path_factory: {
         "SPECWHISPER_API_KEYS": json.dumps([KEY, "sk-other"]),
         "SPECWHISPER_LOG_LEVEL": "debug",  # the most talkative logs must not carry keys either
-        "TMPDIR": str(tmp),  # where uploads would be spooled
-    }
-    srv = ServerProcess(env, log=tmp_path_factory.mktemp("security") / "server.log").start()
-    yield srv, tmp
-    srv.stop()
+        "TMPDIR": str(tmp_path_factory.mktemp("server-tmp")),  # where uploads would be spooled
+    },
+    name="security",
+)
 
 
-def test_keys_required_everywhere_and_never_logged(secured: tuple[ServerProcess, Path], benchdata: Path) -> None:
-    server, tmp = secured
+def test_keys_required_everywhere_and_never_logged(secured: ServerProcess, benchdata: Path) -> None:
+    server, tmp = secured, Path(secured.env["TMPDIR"])
     audio = (benchdata / "audio/ljspeech/LJ001-0002.wav").read_bytes()
     url = f"{server.url}/v1/audio/transcriptions"
     for headers in ({}, {"Authorization": f"Bearer {WRONG}"}, {"Authorization": KEY}, {"X-Api-Key": KEY}):

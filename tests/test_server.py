@@ -8,33 +8,29 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from openai import OpenAI
 
-from tests.server import ServerProcess
+from app.tools.scrape import sample_value, scrape_metrics
+from tests.server import ServerProcess, metric, openai_client, post, server_fixture
 
 JFK_START = "And so my fellow Americans"
 # uvicorn re-raises SIGTERM after its graceful shutdown, so a drained server exits with -SIGTERM.
 GRACEFUL = (0, -signal.SIGTERM)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    # Speculation always: these tests check the speculative metrics (tests/test_adaptive.py covers adaptive).
-    env = {"SPECWHISPER_BATCH_WINDOW_MS": "300", "SPECWHISPER_SPECULATION": "always"}
-    srv = ServerProcess(env, log=log).start()
-    yield srv
-    assert srv.stop() in GRACEFUL
+# Speculation always: these tests check the speculative metrics (tests/test_adaptive.py covers adaptive).
+server = server_fixture(
+    {"SPECWHISPER_BATCH_WINDOW_MS": "300", "SPECWHISPER_SPECULATION": "always"}, expect_exit=GRACEFUL
+)
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> OpenAI:
-    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
@@ -100,18 +96,12 @@ def test_errors_use_openai_shape(server: ServerProcess, jfk: bytes) -> None:
         if code:
             assert error["code"] == code
     # The server still serves after all that.
-    ok = httpx.post(url, data={"model": "whisper-1"}, files={"file": ("a.wav", jfk)}, timeout=120)
+    ok = post(server, jfk, timeout=120)
     assert ok.status_code == 200 and ok.json()["text"].startswith(JFK_START)
 
 
 def test_headers_health_models_metrics(server: ServerProcess, jfk: bytes) -> None:
-    r = httpx.post(
-        f"{server.url}/v1/audio/transcriptions",
-        data={"model": "whisper-1"},
-        files={"file": ("a.wav", jfk)},
-        headers={"X-Request-Id": "req-123"},
-        timeout=120,
-    )
+    r = post(server, jfk, timeout=120, **{"X-Request-Id": "req-123"})
     assert r.headers["x-request-id"] == "req-123"
     assert re.search(
         r"queue;dur=[\d.]+, encode;dur=[\d.]+, decode;dur=[\d.]+, total;dur=[\d.]+", r.headers["server-timing"]
@@ -130,7 +120,7 @@ def test_headers_health_models_metrics(server: ServerProcess, jfk: bytes) -> Non
     ids = [m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]]
     assert ids == ["whisper-base", "whisper-1"]
     assert httpx.get(f"{server.url}/v1/models/whisper-2").status_code == 404
-    text = httpx.get(f"{server.url}/metrics").text
+    metrics = scrape_metrics(server.url)
     for name in (
         "specwhisper_requests_total",
         "specwhisper_queue_seconds_bucket",
@@ -143,45 +133,37 @@ def test_headers_health_models_metrics(server: ServerProcess, jfk: bytes) -> Non
         "specwhisper_draft_accepted_total",
         "specwhisper_batch_size_bucket",
         "specwhisper_queue_depth",
-        "specwhisper_worker_up 1.0",
         "specwhisper_model_load_seconds",
     ):
-        assert name in text, name
-    assert 'route="/v1/audio/transcriptions",status="200"' in text
-    info = re.search(r"specwhisper_engine_info\{(.*)\} 1\.0", text)
-    assert info is not None and 'dtype="float32"' in info.group(1) and 'model="whisper-base"' in info.group(1)
-    assert re.search(r'batch_invariant="(true|false)"', info.group(1)), info.group(1)
+        assert name in metrics, name
+    assert sample_value(metrics, "specwhisper_worker_up") == 1.0
+    assert sample_value(metrics, "specwhisper_requests_total", route="/v1/audio/transcriptions", status="200")
+    [(info, one)] = metrics["specwhisper_engine_info"]
+    assert one == 1.0 and info["dtype"] == "float32" and info["model"] == "whisper-base", info
+    assert info["batch_invariant"] in ("true", "false"), info
     # The worker reports each batch's mode and the policy's cost estimates (this server always speculates).
-    assert float(re.search(r'specwhisper_batches_total\{mode="speculative"\} ([\d.]+)', text).group(1)) >= 1  # type: ignore[union-attr]
-    cost = re.search(r'specwhisper_mode_cost_ms_per_pass\{batch_size="1",mode="speculative"\} ([\d.e+-]+)', text)
-    assert cost is not None and float(cost.group(1)) > 0, text
+    assert (sample_value(metrics, "specwhisper_batches_total", mode="speculative") or 0) >= 1
+    cost = sample_value(metrics, "specwhisper_mode_cost_ms_per_pass", batch_size="1", mode="speculative")
+    assert cost is not None and cost > 0, metrics
 
 
 def _batch_counts(server: ServerProcess) -> tuple[float, float]:
-    text = httpx.get(f"{server.url}/metrics").text
-    singles = float(re.search(r'specwhisper_batch_size_bucket\{le="1.0"\} ([\d.]+)', text).group(1))  # type: ignore[union-attr]
-    total = float(re.search(r"specwhisper_batch_size_count ([\d.]+)", text).group(1))  # type: ignore[union-attr]
-    return singles, total
+    return metric(server, "specwhisper_batch_size_bucket", le="1.0"), metric(server, "specwhisper_batch_size_count")
 
 
 def test_concurrent_requests_are_batched_and_correct(server: ServerProcess, benchdata: Path) -> None:
     clips = ["whisper/jfk.wav", "fleurs/fleurs-es-002.wav", "ljspeech/LJ001-0002.wav", "pocketsphinx/goforward.wav"] * 2
     payloads = [(benchdata / "audio" / c).read_bytes() for c in clips]
 
-    def post(data: bytes) -> str:
-        r = httpx.post(
-            f"{server.url}/v1/audio/transcriptions",
-            data={"model": "whisper-1"},
-            files={"file": ("a.wav", data)},
-            timeout=300,
-        )
+    def text(data: bytes) -> str:
+        r = post(server, data)
         assert r.status_code == 200, r.text
         return str(r.json()["text"])
 
-    sequential = [post(p) for p in payloads[:4]]
+    sequential = [text(p) for p in payloads[:4]]
     singles_before, total_before = _batch_counts(server)
     with cf.ThreadPoolExecutor(8) as pool:
-        concurrent = list(pool.map(post, payloads))
+        concurrent = list(pool.map(text, payloads))
     assert concurrent == sequential * 2
     singles_after, total_after = _batch_counts(server)
     batches = total_after - total_before
@@ -194,17 +176,12 @@ def test_worker_killed_mid_request_fails_fast_then_recovers(server: ServerProces
     pid = httpx.get(f"{server.url}/health/ready").json()["worker_pid"]
     result: dict[str, object] = {}
 
-    def post() -> None:
+    def upload() -> None:
         t = time.monotonic()
-        r = httpx.post(
-            f"{server.url}/v1/audio/transcriptions",
-            data={"model": "whisper-1"},
-            files={"file": ("a.wav", long_audio)},
-            timeout=300,
-        )
+        r = post(server, long_audio)
         result.update(status=r.status_code, body=r.json(), at=time.monotonic(), started=t)
 
-    thread = threading.Thread(target=post)
+    thread = threading.Thread(target=upload)
     thread.start()
     time.sleep(1.5)
     killed_at = time.monotonic()
@@ -217,27 +194,20 @@ def test_worker_killed_mid_request_fails_fast_then_recovers(server: ServerProces
     server.wait_ready(180)
     ready = httpx.get(f"{server.url}/health/ready").json()
     assert ready["worker_pid"] != pid and ready["worker_restarts"] == 1
-    ok = httpx.post(
-        f"{server.url}/v1/audio/transcriptions",
-        data={"model": "whisper-1"},
-        files={"file": ("a.wav", long_audio)},
-        timeout=300,
-    )
+    ok = post(server, long_audio)
     assert ok.status_code == 200 and len(ok.json()["text"]) > 100
 
 
-@pytest.fixture(scope="module")
-def strict_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    env = {
+strict_server = server_fixture(
+    {
         "SPECWHISPER_API_KEYS": '["sk-test-1", "sk-test-2"]',
         "SPECWHISPER_QUEUE_SIZE": "1",
         "SPECWHISPER_MAX_BATCH": "1",
         "SPECWHISPER_MAX_UPLOAD_BYTES": "1000000",
         "SPECWHISPER_MAX_AUDIO_SECONDS": "60",
-    }
-    srv = ServerProcess(env, log=tmp_path_factory.mktemp("strict") / "server.log").start()
-    yield srv
-    srv.stop()
+    },
+    name="strict",
+)
 
 
 def test_auth_limits_and_backpressure(strict_server: ServerProcess, jfk: bytes, benchdata: Path) -> None:
@@ -248,7 +218,7 @@ def test_auth_limits_and_backpressure(strict_server: ServerProcess, jfk: bytes, 
     )
     assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{strict_server.url}/health/ready").status_code == 200  # health stays open
-    client = OpenAI(base_url=f"{strict_server.url}/v1", api_key="sk-test-2", max_retries=0, timeout=300)
+    client = openai_client(strict_server, api_key="sk-test-2")
     assert client.audio.transcriptions.create(model="whisper-1", file=("a.wav", jfk)).text.startswith(JFK_START)
     auth = {"Authorization": "Bearer sk-test-1"}
     big = httpx.post(url, data={"model": "whisper-1"}, files={"file": ("a.wav", b"\0" * 1_200_000)}, headers=auth)
@@ -263,11 +233,8 @@ def test_auth_limits_and_backpressure(strict_server: ServerProcess, jfk: bytes, 
     long = httpx.post(url, data={"model": "whisper-1"}, files={"file": ("a.flac", buf.getvalue())}, headers=auth)
     assert long.status_code == 400 and long.json()["error"]["code"] == "audio_too_long"
 
-    def post(_: int) -> httpx.Response:
-        return httpx.post(url, data={"model": "whisper-1"}, files={"file": ("a.wav", jfk)}, headers=auth, timeout=300)
-
     with cf.ThreadPoolExecutor(6) as pool:
-        responses = list(pool.map(post, range(6)))
+        responses = list(pool.map(lambda _: post(strict_server, jfk, **auth), range(6)))
     codes = sorted(r.status_code for r in responses)
     assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
     limited = next(r for r in responses if r.status_code == 429)
@@ -275,20 +242,13 @@ def test_auth_limits_and_backpressure(strict_server: ServerProcess, jfk: bytes, 
 
 
 def test_sigterm_drains_in_flight_work(strict_server: ServerProcess, jfk: bytes) -> None:
-    url = f"{strict_server.url}/v1/audio/transcriptions"
     result: dict[str, object] = {}
 
-    def post() -> None:
-        r = httpx.post(
-            url,
-            data={"model": "whisper-1"},
-            files={"file": ("a.wav", jfk)},
-            headers={"Authorization": "Bearer sk-test-1"},
-            timeout=300,
-        )
+    def upload() -> None:
+        r = post(strict_server, jfk, Authorization="Bearer sk-test-1")
         result.update(status=r.status_code, text=r.json().get("text", ""))
 
-    thread = threading.Thread(target=post)
+    thread = threading.Thread(target=upload)
     thread.start()
     time.sleep(0.7)
     assert strict_server.stop() in GRACEFUL

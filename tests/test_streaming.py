@@ -22,7 +22,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
 from app.api.audio import decode_audio
-from tests.server import ServerProcess, metric
+from tests.server import ServerProcess, metric, openai_client, server_fixture
 
 CLIP = "audio/ljspeech/LJ001-0001.wav"
 LONG_CLIP = "audio/fleurs/fleurs-de-009.wav"  # 43 s: two windows
@@ -37,7 +37,7 @@ def server(live_server: ServerProcess) -> ServerProcess:
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> OpenAI:
-    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
@@ -291,9 +291,7 @@ def test_realtime_bad_events_get_errors_and_others_keep_working(server: ServerPr
         time.sleep(0.2)
     else:
         pytest.fail("closed sessions are not released")
-    text = httpx.get(f"{server.url}/metrics").text
-    latency = re.search(r"^specwhisper_realtime_utterance_latency_seconds_count (\S+)$", text, re.M)
-    assert latency and float(latency.group(1)) >= 1
+    assert metric(server, "specwhisper_realtime_utterance_latency_seconds_count") >= 1
 
 
 def test_the_web_process_never_loads_torch(server: ServerProcess) -> None:
@@ -305,13 +303,9 @@ def test_the_web_process_never_loads_torch(server: ServerProcess) -> None:
     assert "libtorch" not in maps
 
 
-@pytest.fixture(scope="module")
-def strict_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("streaming-strict") / "server.log"
-    env = {"SPECWHISPER_API_KEYS": '["sk-live"]', "SPECWHISPER_REALTIME_MAX_BACKLOG_S": "5"}
-    srv = ServerProcess(env, log=log).start()
-    yield srv
-    srv.stop()
+strict_server = server_fixture(
+    {"SPECWHISPER_API_KEYS": '["sk-live"]', "SPECWHISPER_REALTIME_MAX_BACKLOG_S": "5"}, name="streaming-strict"
+)
 
 
 def test_realtime_auth_and_backlog_limit(strict_server: ServerProcess, speech: np.ndarray) -> None:

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from app.model.cpu import cpu_flags
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "int8_linear.cpp"  # includes the other files of csrc/
@@ -51,12 +53,7 @@ def cpu_runs_kernel() -> bool:
     """True on an x86-64 Linux CPU with the instruction sets the kernel needs at the least (AVX2 + FMA)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return all(flag in flags for flag in CPU_FLAGS)
+    return cpu_flags().issuperset(CPU_FLAGS)
 
 
 def prebuilt_dir() -> Path:

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from app.model.tokenizer import WhisperTokenizer
-from app.store.ct2 import CT2Model, hf_config_kwargs, hf_state_dict, read_ct2
+from app.store.ct2 import CT2Model, hf_config_kwargs, hf_state_dict, model_file, read_ct2
 
 HF_WEIGHTS = "model.safetensors"
 SOURCE_STAMP = "SOURCE.stat"  # size and mtime (ns) of each source file when it was read
@@ -26,14 +26,6 @@ def source_stamp(parts: Sequence[Path]) -> str:
     """One line per file of `parts`: its size and modification time, to tell a replaced file by."""
     stats = [part.stat() for part in parts]
     return "".join(f"{st.st_size} {st.st_mtime_ns}\n" for st in stats)
-
-
-def _concatenated(parts: Sequence[Path], into: Path) -> Path:
-    with open(into, "wb") as out:
-        for part in parts:
-            with open(part, "rb") as f:
-                shutil.copyfileobj(f, out, length=16 << 20)
-    return into
 
 
 def _generation_config(tok: WhisperTokenizer, bundle: dict[str, Any], max_length: int) -> dict[str, Any]:
@@ -103,15 +95,15 @@ def convert_ct2(
     staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
     staging.chmod(0o755)
     try:
-        model_file = parts[0] if len(parts) == 1 else _concatenated(parts, staging / "model.bin")
-        ct2: CT2Model = read_ct2(model_file)
+        joined = model_file(parts, staging / "model.bin")
+        ct2: CT2Model = read_ct2(joined)
         shapes = hf_config_kwargs(ct2)
         tok = WhisperTokenizer.from_file(bundle_dir / "tokenizer.json", vocab_size=shapes["vocab_size"])
         bundle = json.loads((bundle_dir / "config.json").read_text())
         state = _to_torch(hf_state_dict(ct2), progress)
         del ct2
-        if len(parts) > 1:
-            model_file.unlink()
+        if joined not in parts:
+            joined.unlink()
         save_file(state, str(staging / HF_WEIGHTS), metadata={"format": "pt"})
         generation = _generation_config(tok, bundle, shapes["max_target_positions"])
         config = {

@@ -8,8 +8,9 @@ string pairs. A string is a u16 length (counting a trailing NUL), the bytes, the
 
 from __future__ import annotations
 
+import shutil
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -84,6 +85,20 @@ def _iter_variables(f: BinaryIO) -> Iterator[tuple[str, np.ndarray]]:
         if code == _BF16:
             array = (array.astype(np.uint32) << 16).view(np.float32)
         yield name, array
+
+
+def model_file(parts: Sequence[Path], into: Path, *, reuse_single: bool = True) -> Path:
+    """The one `model.bin` CTranslate2 reads, from `parts` (a model.bin split in parts, in order).
+
+    The parts joined into `into`; with `reuse_single`, a model.bin in one part is that file itself (no copy).
+    """
+    if reuse_single and len(parts) == 1:
+        return Path(parts[0])
+    with open(into, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as f:
+                shutil.copyfileobj(f, out, length=16 << 20)
+    return into
 
 
 def read_ct2(path: str | Path) -> CT2Model:

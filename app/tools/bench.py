@@ -8,10 +8,8 @@ the engine. Peak memory is measured per mode, each in its own child process.
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
-import platform
 import resource
 import time
 from collections import defaultdict
@@ -28,8 +26,10 @@ from app.api.audio import load_audio
 from app.api.types import DecodingOptions, Transcription
 from app.engine.drafting.assistants import NO_ASSISTANT
 from app.engine.engine import Engine
+from app.model.cpu import cpu_name
 from app.settings import Settings
 from app.tools.comparisons import ClipRunner, FasterWhisper, HFGenerate, RunResult
+from app.tools.manifest import ManifestClip, read_manifest, select
 
 CHARACTER_LANGUAGES = {"ja", "ko", "zh", "th", "yue"}
 
@@ -154,24 +154,18 @@ def select_clips(
     limit: int | None,
     max_seconds: float | None = None,
     subset: str | None = None,
-) -> list[dict]:
-    """Manifest entries in the given languages and subset ("short", "long"), the first `limit`.
+) -> list[ManifestClip]:
+    """Manifest clips in the given languages and subset ("short", "long"), the first `limit`.
 
     max_seconds: the longest clip taken; by default 30 s (one window), unbounded for the long subset.
     """
     if max_seconds is None:
         max_seconds = float("inf") if subset == "long" else 30.0
-    entries = [json.loads(line) for line in manifest.read_text().splitlines() if line.strip()]
-    entries = [
-        e
-        for e in entries
-        if e["duration_s"] <= max_seconds
-        and (languages is None or e["language"] in languages)
-        and (subset is None or e.get("subset") == subset)
-    ][: limit or None]
-    if not entries:
+    clips = select(read_manifest(manifest), languages=languages, subset=subset, max_seconds=max_seconds)
+    clips = clips[: limit or None]
+    if not clips:
         raise ValueError("no clips match the filters")
-    return entries
+    return clips
 
 
 def run_bench(
@@ -196,30 +190,30 @@ def run_bench(
     clips). With `rss_split`, the peak RSS of each mode is measured in its own child process too.
     """
     entries = select_clips(manifest, languages, limit, max_seconds, subset)
-    audio = {e["id"]: load_audio(manifest.parent / e["audio"]) for e in entries}
+    audio = {e.id: load_audio(e.audio) for e in entries}
     warm = entries[0]
     for use in (False, True):  # warm-up: allocator, thread pools, quantized kernels
-        engine.transcribe([audio[warm["id"]]], [DecodingOptions(language=warm["language"], use_assistant=use)])
+        engine.transcribe([audio[warm.id]], [DecodingOptions(language=warm.language, use_assistant=use)])
     runs: list[ClipRun] = []
     for e in tqdm(entries, desc="bench", unit="clip"):
-        clip = audio[e["id"]]
-        plain = engine.transcribe([clip], [DecodingOptions(language=e["language"], use_assistant=False)])[0]
-        spec = engine.transcribe([clip], [DecodingOptions(language=e["language"])])[0]
-        runs.append(ClipRun(e["id"], e["language"], plain, spec, e["text"]))
+        clip = audio[e.id]
+        plain = engine.transcribe([clip], [DecodingOptions(language=e.language, use_assistant=False)])[0]
+        spec = engine.transcribe([clip], [DecodingOptions(language=e.language)])[0]
+        runs.append(ClipRun(e.id, e.language, plain, spec, e.text))
     batch_report = {str(b): _batch_throughput(engine, entries, audio, b) for b in batches}
     kinds = [k for k, on in (("hf", compare_hf), ("faster_whisper", compare_faster_whisper)) if on]
     if kinds and settings is None:
         raise ValueError("the reference decoders need the settings to load the model in their own process")
     for kind in kinds:
         assert settings is not None
-        for name, results in references_in_child(settings, kind, manifest, entries).items():
+        for name, results in references_in_child(settings, kind, entries).items():
             for run, result in zip(runs, results, strict=True):
                 run.baselines[name] = result
     report = _summary(runs)
     report["machine"] = machine(engine)
     report["peak_rss_mb"] = {"bench_process": _peak_rss_mb()}
     if settings is not None and rss_split:
-        report["peak_rss_mb"].update(peak_rss_by_mode(settings, manifest, entries, max(batches, default=1)))
+        report["peak_rss_mb"].update(peak_rss_by_mode(settings, entries, max(batches, default=1)))
     by_language: dict[str, list[ClipRun]] = defaultdict(list)
     for r in runs:
         by_language[r.language].append(r)
@@ -245,20 +239,10 @@ def machine(engine: Engine) -> dict[str, Any]:
     checking that the main decoder is batch-invariant here, if the engine has not yet)."""
     if engine.batch_invariant is None:
         engine.check_batch_invariance()
-    return {"cpu": _cpu_name(), "logical_cpus": os.cpu_count(), "torch": torch.__version__, **engine.describe()}
+    return {"cpu": cpu_name(), "logical_cpus": os.cpu_count(), "torch": torch.__version__, **engine.describe()}
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _references(settings: Settings, kind: str, manifest: Path, entries: list[dict]) -> dict[str, list[RunResult]]:
+def _references(settings: Settings, kind: str, entries: list[ManifestClip]) -> dict[str, list[RunResult]]:
     """In a fresh process: the reference decoders of `kind` over the clips, after one warm-up clip."""
     from app.engine.build import build_engine
 
@@ -268,21 +252,19 @@ def _references(settings: Settings, kind: str, manifest: Path, entries: list[dic
         runners = [HFGenerate(main, assisted=False), HFGenerate(main, assisted=True)]
     else:
         runners = [FasterWhisper(main, threads=torch.get_num_threads())]
-    audio = [load_audio(manifest.parent / e["audio"]) for e in entries]
+    audio = [load_audio(e.audio) for e in entries]
     for runner in runners:
-        runner.run(audio[0], entries[0]["language"])
+        runner.run(audio[0], entries[0].language)
     out: dict[str, list[RunResult]] = {runner.name: [] for runner in runners}
     for clip, e in zip(audio, entries, strict=True):  # interleaved per clip, like the engine's two modes
         for runner in runners:
-            out[runner.name].append(runner.run(clip, e["language"]))
+            out[runner.name].append(runner.run(clip, e.language))
     return out
 
 
-def references_in_child(
-    settings: Settings, kind: str, manifest: Path, entries: list[dict]
-) -> dict[str, list[RunResult]]:
+def references_in_child(settings: Settings, kind: str, entries: list[ManifestClip]) -> dict[str, list[RunResult]]:
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_references, (settings, kind, manifest, entries))
+        return pool.apply(_references, (settings, kind, entries))
 
 
 def _reset_peak_rss() -> bool:
@@ -320,15 +302,15 @@ def _mode_peak_rss(
     return max(load_peak, serving), serving if separate else float("nan"), loaded
 
 
-def peak_rss_by_mode(settings: Settings, manifest: Path, entries: list[dict], batch: int) -> dict[str, float]:
+def peak_rss_by_mode(settings: Settings, entries: list[ManifestClip], batch: int) -> dict[str, float]:
     """Peak RSS of a main-only engine and of the speculative engine, each in its own child process,
     over the longest clip alone and the first `batch` clips together, over the process's life and
     while serving (`*_serving`, NaN where the peak cannot be reset); the RSS once loaded
     (`*_loaded`); and the assistant's shares."""
-    longest = max(entries, key=lambda e: e["duration_s"])
+    longest = max(entries, key=lambda e: e.duration_s)
     chosen = [longest, *[e for e in entries[:batch] if e is not longest]][: max(batch, 1)]
-    paths = [manifest.parent / e["audio"] for e in chosen]
-    languages = [e["language"] for e in chosen]
+    paths = [e.audio for e in chosen]
+    languages = [e.language for e in chosen]
     modes = {"main_only": settings.model_copy(update={"assistant": NO_ASSISTANT}), "speculative": settings}
     out: dict[str, float] = {}
     context = multiprocessing.get_context("spawn")
@@ -345,7 +327,7 @@ def peak_rss_by_mode(settings: Settings, manifest: Path, entries: list[dict], ba
 
 
 def _batch_throughput(
-    engine: Engine, entries: list[dict], audio: dict[str, np.ndarray], size: int
+    engine: Engine, entries: list[ManifestClip], audio: dict[str, np.ndarray], size: int
 ) -> dict[str, float | bool]:
     groups = [entries[i : i + size] for i in range(0, len(entries) - size + 1, size)] or [entries[:size]]
     seconds = {False: 0.0, True: 0.0}
@@ -353,20 +335,20 @@ def _batch_throughput(
     warm = groups[0]
     for use in (False, True):  # this batch size's own warm-up (allocations of the wider caches)
         engine.transcribe(
-            [audio[e["id"]] for e in warm], [DecodingOptions(language=e["language"], use_assistant=use) for e in warm]
+            [audio[e.id] for e in warm], [DecodingOptions(language=e.language, use_assistant=use) for e in warm]
         )
     identical = True
     for group in groups:
-        clips = [audio[e["id"]] for e in group]
+        clips = [audio[e.id] for e in group]
         out = {}
         for use in (False, True):
-            opts = [DecodingOptions(language=e["language"], use_assistant=use) for e in group]
+            opts = [DecodingOptions(language=e.language, use_assistant=use) for e in group]
             t = time.perf_counter()
             out[use] = engine.transcribe(clips, opts)
             seconds[use] += time.perf_counter() - t
             decode[use] += max(r.metrics.decode_ms for r in out[use]) / 1000
         identical &= [r.tokens for r in out[False]] == [r.tokens for r in out[True]]
-    audio_s = sum(len(audio[e["id"]]) / 16000 for g in groups for e in g)
+    audio_s = sum(len(audio[e.id]) / 16000 for g in groups for e in g)
     outside_decoding = seconds[False] - decode[False]  # the same in both modes
     return {
         "audio_seconds_per_second_main": audio_s / seconds[False],

@@ -21,6 +21,7 @@ from torch import nn
 
 from app.model.features import N_FRAMES, N_SAMPLES, log_mel, window
 from app.model.whisper import WhisperModel
+from app.store.ct2 import model_file
 
 
 @dataclass(frozen=True)
@@ -101,10 +102,7 @@ class FasterWhisper:
         parts, bundle = ct2_source(main.name)
         self._dir = tempfile.TemporaryDirectory(prefix="specwhisper-ct2-")
         folder = Path(self._dir.name)
-        with open(folder / "model.bin", "wb") as out:  # the parts joined, as CTranslate2 reads one file
-            for part in parts:
-                with open(part, "rb") as src:
-                    shutil.copyfileobj(src, out)
+        model_file(parts, folder / "model.bin", reuse_single=False)  # CTranslate2 reads one model.bin
         for name in ("config.json", "tokenizer.json", "vocabulary.txt", "vocabulary.json", "preprocessor_config.json"):
             if (bundle / name).is_file():
                 shutil.copyfile(bundle / name, folder / name)

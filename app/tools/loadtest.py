@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from app.tools.manifest import default_manifest, read_manifest, select, shortest
+
 if TYPE_CHECKING:
     import httpx  # a dev/test dependency: imported where used
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
@@ -186,22 +186,24 @@ async def run_load(
     return report
 
 
-def default_manifest() -> Path:
-    data = os.environ.get("SPECWHISPER_BENCHDATA")
-    return (Path(data) if data else REPO.parent / "shared" / "benchdata") / "manifest.jsonl"
-
-
 def load_clips(manifest: Path, count: int = 4, max_seconds: float = 6.0) -> list[Clip]:
-    """The `count` shortest English clips of at most `max_seconds` from a benchdata manifest."""
-    entries = [json.loads(line) for line in manifest.read_text().splitlines() if line.strip()]
-    short = sorted(
-        (e for e in entries if e.get("language") == "en" and e["duration_s"] <= max_seconds and e["duration_s"] >= 1),
-        key=lambda e: e["duration_s"],
-    )
-    picked = short[:count]
+    """The `count` shortest English clips of 1..`max_seconds` s from a benchdata manifest."""
+    picked = shortest(select(read_manifest(manifest), languages={"en"}, min_seconds=1, max_seconds=max_seconds), count)
     if not picked:
         raise SystemExit(f"no English clip of 1..{max_seconds:g} s in {manifest}")
-    return [Clip(e["id"], (manifest.parent / e["audio"]).read_bytes(), float(e["duration_s"])) for e in picked]
+    return [Clip(c.id, c.read_bytes(), c.duration_s) for c in picked]
+
+
+def add_clip_arguments(parser: argparse.ArgumentParser) -> None:
+    """--manifest and --clips: which clips `clips_from_args` takes."""
+    parser.add_argument(
+        "--manifest", type=Path, help="benchdata manifest.jsonl (default: $SPECWHISPER_BENCHDATA, else ../shared)"
+    )
+    parser.add_argument("--clips", type=int, default=4, help="how many short clips to rotate through")
+
+
+def clips_from_args(args: argparse.Namespace, max_seconds: float = 6.0) -> list[Clip]:
+    return load_clips(args.manifest or default_manifest(), args.clips, max_seconds=max_seconds)
 
 
 async def loadtest(
@@ -218,14 +220,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     parser.add_argument("--clients", type=int, default=32, help="concurrent clients")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of load (last requests are awaited)")
-    parser.add_argument("--manifest", type=Path, default=None, help="benchdata manifest.jsonl (default: ../shared)")
-    parser.add_argument("--clips", type=int, default=4, help="how many short clips to rotate through")
+    add_clip_arguments(parser)
     parser.add_argument("--api-key", default=os.environ.get("SPECWHISPER_LOADTEST_KEY"), help="Bearer key")
     parser.add_argument("--json", type=Path, help="also write the report here")
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    clips = load_clips(args.manifest or default_manifest(), args.clips)
+    clips = clips_from_args(args)
     summary = asyncio.run(loadtest(args.url.rstrip("/"), clips, args.clients, args.duration, args.api_key))
     text = json.dumps(summary, indent=2)
     print(text)

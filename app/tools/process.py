@@ -12,6 +12,10 @@ from pathlib import Path
 
 import httpx
 
+# Set (to a reason) where no server may be started: the quick test tier sets it for its tests, and the
+# commands and child processes they run inherit it.
+FORBID_START = "SPECWHISPER_FORBID_SERVER_START"
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -36,6 +40,8 @@ class ServerProcess:
 
     def launch(self) -> ServerProcess:
         """Start the process without waiting for it (several servers can load their models at once)."""
+        if forbidden := os.environ.get(FORBID_START):
+            raise RuntimeError(f"no server may be started here ({FORBID_START}={forbidden}): mark the test `server`")
         out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - the child's
         cmd = [sys.executable, "-m", "app", "serve", "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=out, start_new_session=self.own_group)
@@ -61,10 +67,14 @@ class ServerProcess:
         raise TimeoutError("the server did not become ready")
 
     def stop(self, timeout: float = 60) -> int:
-        """SIGTERM (a graceful drain), SIGKILL after `timeout`; returns the exit status."""
+        """SIGTERM (a graceful drain), SIGKILL after `timeout`; returns the exit status.
+
+        A stopped process (SIGSTOP) is continued after the SIGTERM, to act on it.
+        """
         assert self.proc is not None
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(signal.SIGCONT)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

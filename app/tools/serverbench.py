@@ -23,6 +23,7 @@ import httpx
 
 from app.tools.bench import select_clips
 from app.tools.loadtest import Clip
+from app.tools.manifest import shortest
 from app.tools.process import ServerProcess
 
 MODES = ("adaptive", "always", "never")
@@ -82,11 +83,8 @@ def bench_clips(
     manifest: Path, limit: int, languages: set[str], subset: str | None = None, max_seconds: float | None = None
 ) -> list[Clip]:
     """The `limit` shortest clips of the manifest that `select_clips` takes for these filters."""
-    entries = sorted(select_clips(manifest, languages, None, max_seconds, subset), key=lambda e: e["duration_s"])
-    return [
-        Clip(e["id"], (manifest.parent / e["audio"]).read_bytes(), float(e["duration_s"]), language=e["language"])
-        for e in entries[:limit]
-    ]
+    picked = shortest(select_clips(manifest, languages, None, max_seconds, subset), limit)
+    return [Clip(c.id, c.read_bytes(), c.duration_s, language=c.language) for c in picked]
 
 
 def run_server_bench(

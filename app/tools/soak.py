@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from app.tools.loadtest import Clip, default_manifest, load_clips
+from app.tools.loadtest import Clip, add_clip_arguments, clips_from_args
 from app.tools.process import ServerProcess
+from app.tools.scrape import sample_value, scrape_metrics
 
 RSS_GROWTH_LIMIT = 0.05
 FD_SLACK = 2  # a connection closing while we sample is not a leak; a leak grows with traffic
@@ -195,25 +196,17 @@ class Soak:
         await asyncio.gather(*loops)
 
 
-async def _metric(url: str, name: str) -> float | None:
-    import httpx
-
-    async with httpx.AsyncClient(timeout=30) as client:
-        text = (await client.get(f"{url}/metrics")).text
-    found = re.search(rf"^{name} (\S+)$", text, re.M)
-    return float(found.group(1)) if found else None
-
-
 async def sample(url: str, server_pid: int | None) -> dict[str, Any]:
     import httpx
 
     await asyncio.sleep(2.0)  # let closed connections and finished tasks go away
     async with httpx.AsyncClient(timeout=30) as client:
         worker_pid = (await client.get(f"{url}/health/ready")).json().get("worker_pid")
+    metrics = await asyncio.to_thread(scrape_metrics, url)
     out: dict[str, Any] = {
         "t": round(time.time(), 1),
-        "tasks": await _metric(url, "specwhisper_asyncio_tasks"),
-        "realtime_sessions": await _metric(url, "specwhisper_realtime_sessions"),
+        "tasks": sample_value(metrics, "specwhisper_asyncio_tasks"),
+        "realtime_sessions": sample_value(metrics, "specwhisper_realtime_sessions"),
         "dev_shm_entries": shm_entries(),
     }
     await asyncio.sleep(0.5)
@@ -269,7 +262,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     try:
         if server is not None:
             await asyncio.to_thread(server.wait_ready, 300)
-        clips = load_clips(args.manifest or default_manifest(), args.clips, max_seconds=12.0)
+        clips = clips_from_args(args, max_seconds=12.0)
         runner = Soak(url, clips, args.uploads, args.live, args.speedup)
         await runner.prepare()
         total = args.minutes * 60
@@ -317,8 +310,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uploads", type=int, default=2, help="concurrent upload clients")
     parser.add_argument("--live", type=int, default=1, help="concurrent WebSocket clients")
     parser.add_argument("--speedup", type=float, default=2.0, help="live audio sent this many times real time")
-    parser.add_argument("--clips", type=int, default=4, help="how many short clips to rotate through")
-    parser.add_argument("--manifest", type=Path, help="benchdata manifest.jsonl (default: ../shared)")
+    add_clip_arguments(parser)
     parser.add_argument("--url", help="a running server (default: start one on a free loopback port)")
     parser.add_argument("--server-pid", type=int, help="its web process id (for RSS/fd sampling with --url)")
     parser.add_argument("--log", type=Path, help="server log file (default: a temporary folder)")
