@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
+from prometheus_client.metrics_core import Metric
+
+Sample = tuple[dict[str, str], float]  # (labels, value)
+Samples = dict[str, list[Sample]]
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 300)
 
@@ -91,3 +95,19 @@ def _task_count() -> float:
         return float(len(asyncio.all_tasks()))
     except RuntimeError:  # collected outside the event loop
         return 0.0
+
+
+def samples_by_name(families: Iterable[Metric]) -> Samples:
+    """Samples by sample name (`specwhisper_requests_total`, `..._bucket`, `..._count`, gauges' own names), from
+    a registry's `collect()` or a parsed exposition.
+
+    A metric without samples yet (labelled, and no label set used so far) is there with none, under the
+    name its samples will have (counters with `_total`).
+    """
+    out: Samples = {}
+    for family in families:
+        if not family.samples:
+            out.setdefault(f"{family.name}_total" if family.type == "counter" else family.name, [])
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
+    return out

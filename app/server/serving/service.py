@@ -91,9 +91,7 @@ class TranscriptionService:
         timestamps = "word" if "word" in granularities else "none"
         if timestamps == "none" and req.response_format in ("srt", "vtt", "verbose_json"):
             timestamps = "segment"
-        return self._decoding_options(
-            req.model, req.task, req.language, req.prompt, req.temperature, timestamps, req.speculative
-        )
+        return self._decoding_options(req.task, req.language, req.prompt, req.temperature, timestamps, req.speculative)
 
     def _check_model(self, model: str) -> None:
         if model not in self.model_ids:
@@ -101,7 +99,6 @@ class TranscriptionService:
 
     def _decoding_options(
         self,
-        model: str,
         task: str,
         language: str | None,
         prompt: str | None,
@@ -109,8 +106,8 @@ class TranscriptionService:
         timestamps: str = "none",
         speculative: bool = True,
     ) -> DecodingOptions:
-        """The engine's options for a request of either kind (upload or live); ApiError if they are invalid."""
-        self._check_model(model)
+        """The engine's options for a request of either kind (upload or live), its model checked already;
+        ApiError if they are invalid."""
         if not 0.0 <= temperature <= 1.0:
             raise errors.bad_request("temperature must be between 0 and 1", param="temperature")
         language = language.strip().lower() if language else None
@@ -145,7 +142,8 @@ class TranscriptionService:
     # -- live (realtime) transcription -------------------------------------------------------------
     def live_options(self, model: str, language: str | None, prompt: str | None) -> DecodingOptions:
         """Options of a live transcription: greedy, no timestamps; ApiError if they are invalid."""
-        return self._decoding_options(model, "transcribe", language, prompt)
+        self._check_model(model)
+        return self._decoding_options("transcribe", language, prompt)
 
     @contextmanager
     def live_session(self) -> Iterator[None]:

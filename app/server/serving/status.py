@@ -6,12 +6,10 @@ from typing import Any
 
 from prometheus_client import generate_latest
 
-from app.server.metrics import ServerMetrics
+from app.server.metrics import Samples, ServerMetrics, samples_by_name
 from app.server.serving.service import TranscriptionService
 from app.server.worker.batcher import Batcher
 from app.server.worker.supervisor import WorkerSupervisor
-
-Samples = dict[str, list[tuple[dict[str, str], float]]]
 
 
 class ServerStatus:
@@ -51,7 +49,7 @@ class ServerStatus:
 
     def live_counters(self) -> dict[str, Any]:
         """Counters and gauges for the web page's live panel; the page turns successive snapshots into rates."""
-        s = self._samples()
+        s = samples_by_name(self.metrics.registry.collect())
         buckets = {labels["le"]: value for labels, value in s.get("specwhisper_batch_size_bucket", [])}
         sizes, below = {}, 0.0
         for size in ("1.0", "2.0", "3.0", "4.0"):
@@ -73,13 +71,6 @@ class ServerStatus:
             "realtime_sessions": self.service.live_sessions,
             "worker_restarts": self.worker.restarts,
         }
-
-    def _samples(self) -> Samples:
-        found: Samples = {}
-        for family in self.metrics.registry.collect():
-            for sample in family.samples:
-                found.setdefault(sample.name, []).append((sample.labels, sample.value))
-        return found
 
 
 def _total(samples: Samples, name: str) -> float:
