@@ -64,6 +64,11 @@ class Settings(BaseSettings):
     queue_size: int = Field(64, ge=1, description="requests waiting beyond this get 429")
     max_upload_bytes: int = Field(25 * 1024 * 1024, ge=1, description="largest accepted upload")
     max_audio_seconds: float = Field(3600.0, gt=0, description="longest accepted audio")
+    default_chunking_strategy: Literal["none", "auto"] = Field(
+        "none",
+        description="uploads that send no `chunking_strategy`: 'none' decodes the audio as one block (OpenAI's"
+        " default), 'auto' cuts it at pauses found by the VAD and decodes its speech only, in batches",
+    )
     max_queued_audio_seconds: float = Field(
         4 * 3600.0, gt=0, description="decoded audio waiting in the queue (4 bytes/sample at 16 kHz); beyond it 429"
     )

@@ -182,10 +182,10 @@ class RecordingDrafter:
             record["adopted_at"] = list(main.fed)
             inner_adopt(main)
 
-        def get_candidates(rows: Sequence[Row], budgets: Sequence[int], generator: torch.Generator) -> Drafts:
+        def get_candidates(rows: Sequence[Row], budgets: Sequence[int]) -> Drafts:
             if not record["first_drafted_from"]:
                 record["first_drafted_from"] = list(session.state.fed)
-            return inner_candidates(rows, budgets, generator)
+            return inner_candidates(rows, budgets)
 
         session.adopt, session.get_candidates = adopt, get_candidates  # type: ignore[method-assign]
         return session

@@ -294,15 +294,6 @@ def test_realtime_bad_events_get_errors_and_others_keep_working(server: ServerPr
     assert metric(server, "specwhisper_realtime_utterance_latency_seconds_count") >= 1
 
 
-def test_the_web_process_never_loads_torch(server: ServerProcess) -> None:
-    """After uploads, SSE and live sessions, the web process still holds no torch: the engine's types it
-    uses are plain data (app.api.types), and torch belongs to the worker. It had cost every web
-    process ~190 MB and ~3 s of start-up."""
-    assert server.proc is not None
-    maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
-    assert "libtorch" not in maps
-
-
 strict_server = server_fixture(
     {"SPECWHISPER_API_KEYS": '["sk-live"]', "SPECWHISPER_REALTIME_MAX_BACKLOG_S": "5"}, name="streaming-strict"
 )

@@ -1,11 +1,12 @@
 """The engine's interface: the options a request brings and the results it gets, as plain data.
 
-The web process builds and reads these without loading the engine: nothing here imports torch, so a
-server's web process stays ~190 MB smaller and starts ~3 s sooner than one that did.
+The web process builds and reads these without loading the engine: nothing here imports torch (only the
+worker process holds the models).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -51,6 +52,10 @@ class DecodingOptions:
     logprob_threshold: float | None = -1.0
     no_speech_threshold: float | None = 0.6
     max_new_tokens: int | None = None
+    # seconds: start, end, start, end, ... of the parts to transcribe (the last end defaults to the audio's end)
+    clip_timestamps: tuple[float, ...] = ()
+    # with word alignment, skip silences longer than this (s) around words that look made up (OpenAI's option)
+    hallucination_silence_threshold: float | None = None
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -64,6 +69,17 @@ class DecodingOptions:
             raise InvalidRequestError("temperature must be within 0..2")
         if self.language is not None and not self.language.isascii():
             raise InvalidRequestError(f"unknown language {self.language!r}")
+        clips = self.clip_timestamps
+        if any(not 0 <= t < 1e7 for t in clips) or any(a > b for a, b in itertools.pairwise(clips)):
+            raise InvalidRequestError(
+                "clip_timestamps must be non-decreasing non-negative seconds: start,end,start,end,..."
+            )
+        for name in ("compression_ratio_threshold", "no_speech_threshold", "hallucination_silence_threshold"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < 1e6:
+                raise InvalidRequestError(f"{name} must be a non-negative number")
+        if self.logprob_threshold is not None and not -1e6 < self.logprob_threshold <= 0:
+            raise InvalidRequestError("logprob_threshold must be a log-probability (at most 0)")
 
     @property
     def temperatures(self) -> tuple[float, ...]:

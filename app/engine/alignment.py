@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import string
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from app.api.types import Word
 from app.engine.decoding.batch import DecoderState
 from app.model.decoder import CrossKV
 from app.model.features import TIME_PRECISION
@@ -20,30 +20,27 @@ PREPEND_PUNCTUATION = "\"'“¿([{-"
 APPEND_PUNCTUATION = "\"'.。,，!！?？:：”)]}、"
 
 
-def dtw(cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Monotonic alignment path (text indices, time indices) through cost [N, M]."""
-    n, m = cost.shape
-    acc = np.full((n + 1, m + 1), np.inf)
-    acc[0, 0] = 0.0
-    trace = np.zeros((n + 1, m + 1), dtype=np.int8)
-    for i in range(1, n + 1):
-        row_prev, row = acc[i - 1], acc[i]
-        c = cost[i - 1]
-        for j in range(1, m + 1):
-            c0, c1, c2 = float(row_prev[j - 1]), float(row_prev[j]), float(row[j - 1])
-            best: float
-            t: int
-            if c0 <= c1 and c0 <= c2:
-                best, t = c0, 0
-            elif c1 <= c2:
-                best, t = c1, 1
-            else:
-                best, t = c2, 2
-            row[j] = c[j - 1] + best
-            trace[i, j] = t
+def dtw(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The monotonic path (text indices, time indices) of least cost through x [N, M], as OpenAI's `dtw_cpu`
+    finds it: costs kept in float32, ties broken the same way (diagonal only when strictly cheapest, then up,
+    else left). Computed one anti-diagonal at a time (cells with i + j = d need only diagonals d-1, d-2)."""
+    n, m = x.shape
+    x = x.astype(np.float64)
+    cost = np.full((n + 1, m + 1), np.inf, dtype=np.float32)
+    cost[0, 0] = 0.0
+    trace = np.full((n + 1, m + 1), -1, dtype=np.int8)
+    for d in range(2, n + m + 1):
+        i = np.arange(max(1, d - m), min(n, d - 1) + 1)
+        j = d - i
+        c0, c1, c2 = cost[i - 1, j - 1], cost[i - 1, j], cost[i, j - 1]
+        step = np.where((c0 < c1) & (c0 < c2), 0, np.where((c1 < c0) & (c1 < c2), 1, 2))
+        cost[i, j] = x[i - 1, j - 1] + np.choose(step, [c0, c1, c2]).astype(np.float64)
+        trace[i, j] = step
+    trace[0, :] = 2
+    trace[:, 0] = 1
     i, j = n, m
     text, time = [], []
-    while i > 0 and j > 0:
+    while i > 0 or j > 0:
         text.append(i - 1)
         time.append(j - 1)
         step = trace[i, j]
@@ -85,6 +82,17 @@ def split_words(tok: WhisperTokenizer, tokens: list[int], language: str | None) 
     return words
 
 
+@dataclass
+class WordTiming:
+    """A word's tokens, times (s from its window's start) and probability; edited in place by `place_words`."""
+
+    word: str
+    tokens: list[int]
+    start: float
+    end: float
+    probability: float
+
+
 @torch.inference_mode()
 def align_words(
     main: WhisperModel,
@@ -93,8 +101,10 @@ def align_words(
     text_tokens: list[int],
     num_frames: int,
     language: str | None,
-) -> list[Word]:
-    """Word timings (seconds from the window start) of `text_tokens` for one row (cross of batch 1)."""
+) -> list[WordTiming]:
+    """Word timings of `text_tokens` for one row (cross of batch 1), as OpenAI's `find_alignment`: the alignment
+    heads' cross-attention over the window's `num_frames` mel frames, normalised per frame, median-filtered,
+    and followed by DTW; a word starts at the frame where its first token's row is entered."""
     tok = main.tokenizer
     if not text_tokens:
         return []
@@ -107,12 +117,13 @@ def align_words(
     captured: list[torch.Tensor] = []
     feed = [*sot_sequence, tok.no_timestamps, *text_tokens, tok.eot]
     hidden, _ = state.feed([feed], captured)
-    logits = main.decoder.logits(hidden[0, len(sot_sequence) : len(sot_sequence) + len(text_tokens)])
-    probs = logits.softmax(-1)[torch.arange(len(text_tokens)), torch.tensor(text_tokens)].tolist()
-    weights = torch.stack([captured[layer][0, head] for layer, head in heads])  # [heads, S, T]
-    weights = weights[:, :, : max(1, num_frames // 2)].float()  # a window may hold a single mel frame
+    # Probabilities among text tokens only (OpenAI's: logits up to end-of-text).
+    logits = main.decoder.logits(hidden[0, len(sot_sequence) : len(sot_sequence) + len(text_tokens)])[:, : tok.eot]
+    probs = logits.float().softmax(-1)[torch.arange(len(text_tokens)), torch.tensor(text_tokens)].tolist()
+    scores = torch.stack([captured[layer][0, head] for layer, head in heads])  # [heads, S, T]
+    weights = scores[:, :, : max(1, num_frames // 2)].float().softmax(-1)  # a window may hold one mel frame
     std, mean = torch.std_mean(weights, dim=-2, keepdim=True, unbiased=False)
-    weights = _median_filter((weights - mean) / (std + 1e-10), MEDIAN_FILTER_WIDTH)
+    weights = _median_filter((weights - mean) / std.clamp_min(1e-10), MEDIAN_FILTER_WIDTH)
     # Rows: the no-timestamps position and each text token (each predicting the next token).
     matrix = weights.mean(0)[len(sot_sequence) : -1]
     text_idx, time_idx = dtw(-matrix.double().numpy())
@@ -121,33 +132,38 @@ def align_words(
     jumps = np.pad(np.diff(text_idx), (1, 0), constant_values=1).astype(bool)
     jump_times = time_idx[jumps] * TIME_PRECISION
     bounds = np.pad(np.cumsum([len(w) for w in words]), (1, 0))
-    out: list[Word] = []
-    for i, word_tokens in enumerate(words):
-        start = float(jump_times[min(bounds[i], len(jump_times) - 1)])
-        end = float(jump_times[min(bounds[i + 1], len(jump_times) - 1)])
-        p = probs[bounds[i] : bounds[i + 1]]
-        out.append(
-            Word(
-                tok.decode(word_tokens),
-                round(start, 2),
-                round(max(end, start), 2),
-                round(float(np.mean(p)), 4),
-                tuple(word_tokens),
-            )
+    return [
+        WordTiming(
+            tok.decode(word_tokens),
+            list(word_tokens),
+            float(jump_times[bounds[i]]),
+            float(jump_times[bounds[i + 1]]),
+            float(np.mean(probs[bounds[i] : bounds[i + 1]])),
         )
-    return _merge_punctuation(out)
+        for i, word_tokens in enumerate(words)
+    ]
 
 
-def _merge_punctuation(words: list[Word]) -> list[Word]:
-    """Attach leading/trailing punctuation to the neighbouring word (as OpenAI does)."""
-    merged: list[Word] = []
-    for w in words:
-        stripped = w.word.strip()
-        if merged and stripped and all(c in APPEND_PUNCTUATION for c in stripped) and not w.word.startswith(" "):
-            prev = merged[-1]
-            merged[-1] = Word(
-                prev.word + w.word, prev.start, max(prev.end, w.end), prev.probability, prev.tokens + w.tokens
-            )
+def merge_punctuation(
+    words: list[WordTiming], prepended: str = PREPEND_PUNCTUATION, appended: str = APPEND_PUNCTUATION
+) -> None:
+    """Join opening punctuation to the word after it and closing punctuation to the word before it, leaving the
+    merged entries empty (word "", no tokens), as OpenAI's `merge_punctuations` does."""
+    i, j = len(words) - 2, len(words) - 1
+    while i >= 0:
+        previous, following = words[i], words[j]
+        if previous.word.startswith(" ") and previous.word.strip() in prepended:
+            following.word, following.tokens = previous.word + following.word, previous.tokens + following.tokens
+            previous.word, previous.tokens = "", []
         else:
-            merged.append(w)
-    return merged
+            j = i
+        i -= 1
+    i, j = 0, 1
+    while j < len(words):
+        previous, following = words[i], words[j]
+        if not previous.word.endswith(" ") and following.word in appended:
+            previous.word, previous.tokens = previous.word + following.word, previous.tokens + following.tokens
+            following.word, following.tokens = "", []
+        else:
+            i = j
+        j += 1

@@ -48,7 +48,7 @@ class Engine:
     def __init__(self, main: WhisperModel, drafter: Drafter | None = None, seed: int = 0) -> None:
         self.main = main
         self.drafter = drafter
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed  # with a window's place and temperature, keys what a sampling row draws
         self._rules = {ts: whisper_rules(main, timestamps=ts) for ts in (False, True)}
         # Whether the main decoder gives a token the same bits however a pass feeds it, as checked on
         # this machine by `warm_up` (None until then).
@@ -261,7 +261,7 @@ class Engine:
                     main_cross=cross,
                 )
             session = self.drafter.start(replace(inputs, capacity=max(row.max_len for row in rows)))
-        return decode(self.main, cross, rows, session, self.generator, heartbeat)
+        return decode(self.main, cross, rows, session, heartbeat)
 
     def _row(self, job: LongFormJob, temperature: float) -> Row:
         tok = self.main.tokenizer
@@ -280,6 +280,7 @@ class Engine:
             eot=tok.eot,
             draft=self._speculative(job),
             temperature=temperature,
+            seed=hash((self.seed, job.seek, temperature)),
             sot_index=sot_index,
         )
 
@@ -290,14 +291,19 @@ class Engine:
         return self.drafter is not None and job.options.use_assistant
 
     def _consume(self, job: LongFormJob, d: Decoded, temperature: float, cross: CrossKV, row: int) -> None:
-        """Row `row` of the window's batch (`cross`: the batch's keys/values) into the job's segments, and their
-        words when the request asks for them."""
-        frames, offset = job.segment_frames, job.offset
-        first_new = job.consume(d, temperature)
-        if first_new is None or job.options.timestamps != "word":
+        """Row `row` of the window's batch (`cross`: the batch's keys/values) into the job's segments, with their
+        words when the request aligns them."""
+        frames = job.segment_frames
+        window = job.begin(d, temperature)
+        if window is None:
             return
-        # Only word alignment reads the audio again: one row's copy (~37 MB for base) only then.
-        sot_sequence = self.main.tokenizer.prompt(job.language, job.options.task, timestamps=True)
-        row_cross = cross.select(torch.tensor([row]))
-        words = align_words(self.main, row_cross, sot_sequence, job.text_tokens(first_new), frames, job.language)
-        job.attach_words(words, first_new, offset)
+        if job.aligns_words:
+            timings = []
+            text = job.text_tokens(window)
+            if text:  # only word alignment reads the audio again: one row's copy (~37 MB for base) only then
+                sot_sequence = self.main.tokenizer.prompt(job.language, job.options.task, timestamps=True)
+                row_cross = cross.select(torch.tensor([row]))
+                timings = align_words(self.main, row_cross, sot_sequence, text, frames, job.language)
+            if not job.place_words(window, timings):
+                return
+        job.commit(window)

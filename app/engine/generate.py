@@ -2,11 +2,12 @@
 
 Each iteration a drafter (if any) proposes up to k tokens per row; the main model
 feeds, per row, the tokens it has not seen yet followed by the drafts, in one
-forward pass, and scores the next token at every drafted position. A greedy row
-keeps the longest prefix of drafts equal to the main model's own choices plus the
-main model's next token; a sampling row uses speculative sampling. Without a
-drafter k is 0 and the same loop is plain decoding, one token per pass: both modes
-share every rule and every op, which is what makes their outputs identical.
+forward pass, and scores the next token at every drafted position. A row keeps the
+longest prefix of drafts equal to the main model's own choices plus the main model's
+next token; a sampling row chooses by the argmax of its logits perturbed with noise
+keyed by position (`app.engine.decoding.selection`). Without a drafter k is 0 and the
+same loop is plain decoding, one token per pass: both modes share every rule and
+every op, which is what makes their outputs identical, sampled ones included.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import cast
 import torch
 
 from app.engine.decoding.batch import DecoderState, Row, gather_positions, scored_logits
-from app.engine.decoding.selection import greedy_select, speculative_sample
+from app.engine.decoding.selection import greedy_select, perturbed
 from app.engine.drafting.base import Drafts, DraftSession, PromptAdopting
 from app.model.decoder import CrossKV
 from app.model.whisper import WhisperModel
@@ -67,13 +68,11 @@ def decode(
     cross: CrossKV,
     rows: list[Row],
     draft: DraftSession | None,
-    generator: torch.Generator | None = None,
     tick: Callable[[], None] | None = None,
 ) -> list[Decoded]:
     """Decode all rows to end-of-text or their length limit; rows leave the batch as they finish.
 
     tick() is called after each main-model pass (a caller's sign of life; it must be cheap)."""
-    generator = generator or torch.Generator().manual_seed(0)
     state = DecoderState.start(main.decoder, cross, len(rows), capacity=max(row.max_len for row in rows))
     stats = [RowStats() for _ in rows]
     active = list(range(len(rows)))
@@ -86,7 +85,7 @@ def decode(
         draft_passes = 0
         if draft is not None and not (first and adopt):
             before = draft.passes
-            drafts = draft.get_candidates(live, [row.draft_budget for row in live], generator)
+            drafts = draft.get_candidates(live, [row.draft_budget for row in live])
             draft_passes = draft.passes - before
         pending = [row.tokens[fed:] for row, fed in zip(live, state.fed, strict=True)]
         hidden, _ = state.feed([p + d for p, d in zip(pending, drafts.tokens, strict=True)])
@@ -99,19 +98,18 @@ def decode(
         accepted = []
         for b, row in enumerate(live):
             n = len(drafts.tokens[b])
+            scores = logits[b, : n + 1]
             if row.temperature > 0:
-                choice = speculative_sample(
-                    logits[b, : n + 1], drafts.tokens[b], drafts.probs[b], row.temperature, generator
-                )
-            else:
-                choice = greedy_select(logits[b, : n + 1], drafts.tokens[b])
+                scores = perturbed(scores, row.temperature, row.seed, len(row.tokens))
+            choice = greedy_select(scores, drafts.tokens[b])
             new = [*drafts.tokens[b][: choice.accepted], choice.next_token]
             logprobs = torch.log_softmax(logits[b, : len(new)], dim=-1)
             chosen = logprobs.gather(-1, torch.tensor(new, device=logprobs.device).unsqueeze(-1)).flatten()
             kept = len(row.tokens)
             row.extend(new)
-            # Count the log-probabilities of what was kept (end-of-text excluded), as OpenAI does.
-            row.sum_logprob += float(chosen[: len(row.tokens) - kept].sum())
+            # Sum the log-probabilities of what was kept, end-of-text included, as OpenAI's decoder does
+            # (its average divides by the text's length plus one: the end).
+            row.sum_logprob += float(chosen[: len(row.tokens) - kept + (row.finish == "stop")].sum())
             accepted.append(choice.accepted)
             s = stats[active[b]]
             s.drafted += n

@@ -1,10 +1,18 @@
-"""OpenAI's sequential long-form algorithm, one request at a time: where a request stands in its audio.
+"""OpenAI's sequential long-form algorithm (openai-whisper's `transcribe()`), one request at a time.
 
-A request's audio is cut into 30-s windows. Each decoded window (with timestamp tokens) is cut into
-segments at timestamp pairs; the request then seeks to the end of its last complete segment (or past
-the window when it ended on a single timestamp or had none), conditions its next window on the text
-so far, and retries a window at a higher temperature when its text is too repetitive or too
-unlikely, unless the window is silence. `Engine` advances a batch of these one window at a time.
+A request's audio (or each of its `clip_timestamps` clips) is cut into 30-s windows. Each decoded window
+(with timestamp tokens) is cut into segments at timestamp pairs; the request then seeks to the end of its
+last complete segment (or past the window when it ended on a single timestamp or had none), conditions its
+next window on the text so far, and retries a window at a higher temperature when its text is too
+repetitive or too unlikely, unless the window is silence. With word timestamps it seeks to the last word's
+end instead, and `hallucination_silence_threshold` skips silence around words that look made up.
+`Engine` advances a batch of these one window at a time: `begin` a window with its decoded tokens, give
+its words (`place_words`) when the request aligns them, then `commit` it.
+
+Every decision is the reference's, so the segments (text, tokens, times, log-probabilities, temperatures)
+are the ones `transcribe()` gives on the same weights and options. Where this differs on purpose: times
+are clamped to the end of the audio (the reference can place a segment's end past it), and segments
+without text are left out (the reference keeps them, emptied).
 """
 
 from __future__ import annotations
@@ -17,11 +25,14 @@ import torch
 
 from app.api.audio import SAMPLE_RATE
 from app.api.types import DecodingOptions, Metrics, Segment, Transcription, Word
+from app.engine.alignment import WordTiming, merge_punctuation
 from app.engine.generate import Decoded, RowStats
 from app.model.features import FRAMES_PER_SECOND, INPUT_STRIDE, N_FRAMES, N_SAMPLES, TIME_PRECISION, log_mel, window
 from app.model.tokenizer import WhisperTokenizer
 
 SAMPLE_LEN = 224  # new tokens per window (OpenAI: n_text_ctx // 2)
+PUNCTUATION = "\"'“¿([{-\"'.。,，!！?？:：”)]}、"  # not words, for the hallucination check
+SENTENCE_ENDS = ".。!！?？"
 
 
 def compression_ratio(text: str) -> float:
@@ -40,6 +51,67 @@ class Counters:
     tokens: int = 0
 
 
+@dataclass
+class WindowSegment:
+    """A segment of the window being decoded, before it is committed (times in seconds of the audio)."""
+
+    seek: int
+    start: float
+    end: float
+    tokens: list[int]
+    text: str
+    words: list[Word] = field(default_factory=list)
+
+
+@dataclass
+class Window:
+    """A decoded window: where it was, what it decoded and the segments it makes."""
+
+    seek: int  # mel frames into the audio where it starts
+    size: int  # its mel frames
+    decoded: Decoded
+    temperature: float
+    segments: list[WindowSegment]
+    single_ending: bool  # the tokens ended on one timestamp: no speech after it
+
+    @property
+    def offset(self) -> float:
+        return self.seek / FRAMES_PER_SECOND
+
+    @property
+    def end_time(self) -> float:
+        """Where a full 30-s window from here would end (s)."""
+        return (self.seek + N_FRAMES) / FRAMES_PER_SECOND
+
+
+def _end(segments: list[WindowSegment]) -> float | None:
+    """The last word's end, else the last segment's end (OpenAI's `get_end`)."""
+    return next((w.end for s in reversed(segments) for w in reversed(s.words)), segments[-1].end if segments else None)
+
+
+def _anomaly(word: Word) -> float:
+    """How unlike a spoken word it is: improbable, very short or very long."""
+    duration = word.end - word.start
+    score = 1.0 if word.probability < 0.15 else 0.0
+    if duration < 0.133:
+        score += (0.133 - duration) * 15
+    if duration > 2.0:
+        score += duration - 2.0
+    return score
+
+
+def _is_anomaly(segment: WindowSegment | None) -> bool:
+    if segment is None or not segment.words:
+        return False
+    words = [w for w in segment.words if w.word not in PUNCTUATION][:8]
+    score = sum(_anomaly(w) for w in words)
+    return score >= 3 or score + 0.01 >= len(words)
+
+
+def _with_words(segments: list[WindowSegment]) -> WindowSegment | None:
+    return next((s for s in segments if s.words), None)
+
+
 class LongFormJob:
     """One request's progress through its windows: the seek, the text so far, its segments and counters."""
 
@@ -49,29 +121,55 @@ class LongFormJob:
         self.duration = audio.size / SAMPLE_RATE
         self.mel = log_mel(audio, n_mels, padding=N_SAMPLES)
         self.content_frames = self.mel.shape[-1] - N_FRAMES
+        # Words are aligned when asked for, or to look for hallucinations.
+        self.aligns_words = options.timestamps == "word" or options.hallucination_silence_threshold is not None
         # Timestamp tokens drive the seek of long audio; short audio honours the request.
-        self.with_timestamps = options.timestamps != "none" or self.content_frames > N_FRAMES
-        self.seek = 0
+        self.with_timestamps = options.timestamps != "none" or self.aligns_words or self.content_frames > N_FRAMES
+        self.clips = self._clips(options.clip_timestamps)
+        self.clip = 0
+        self.seek = self.clips[0][0] if self.clips else 0
         self.language: str | None = options.language
         self.language_probability: float | None = None
         self.all_tokens: list[int] = tokenizer.encode(" " + options.prompt.strip()) if options.prompt else []
         self.prompt_reset = 0
+        self.last_speech = 0.0  # where the last word ended (s)
         self.segments: list[Segment] = []
         self.finish = "stop"
         self.counters = Counters()
+        self._settle()
+
+    def _clips(self, stamps: tuple[float, ...]) -> list[tuple[int, int]]:
+        """`clip_timestamps` (start, end, start, end, ... in seconds; the last end defaults to the end of the
+        audio) as [start, end) mel frames, within the audio."""
+        points = [round(t * FRAMES_PER_SECOND) for t in stamps] or [0]
+        if len(points) % 2:
+            points.append(self.content_frames)
+        pairs = zip(points[::2], points[1::2], strict=True)
+        return [(a, min(b, self.content_frames)) for a, b in pairs if a < min(b, self.content_frames)]
+
+    def _settle(self) -> None:
+        """Move the seek into the current clip, or on to the next clip when this one is done."""
+        while self.clip < len(self.clips):
+            start, end = self.clips[self.clip]
+            self.seek = max(self.seek, start)
+            if self.seek < end:
+                return
+            self.clip += 1
+            if self.clip < len(self.clips):
+                self.seek = self.clips[self.clip][0]
 
     @property
     def done(self) -> bool:
-        return self.seek >= self.content_frames
+        return self.clip >= len(self.clips)
 
     def cancel(self) -> None:
-        self.seek = self.content_frames
+        self.clip = len(self.clips)
         self.finish = "cancelled"
 
     @property
     def segment_frames(self) -> int:
-        """Mel frames of the current window (30 s, or what is left)."""
-        return min(N_FRAMES, self.content_frames - self.seek)
+        """Mel frames of the current window (30 s, or what is left of the audio or the clip)."""
+        return min(N_FRAMES, self.content_frames - self.seek, self.clips[self.clip][1] - self.seek)
 
     @property
     def offset(self) -> float:
@@ -98,37 +196,39 @@ class LongFormJob:
     def needs_fallback(self, d: Decoded) -> bool:
         """Whether a window decoded at one temperature should be decoded again at the next one."""
         opts = self.options
-        ratio = compression_ratio(self.tokenizer.decode(d.tokens))
+        ratio = compression_ratio(self.tokenizer.decode(d.tokens).strip())
         repetitive = opts.compression_ratio_threshold is not None and ratio > opts.compression_ratio_threshold
         low_logprob = opts.logprob_threshold is not None and d.avg_logprob < opts.logprob_threshold
         return (repetitive or low_logprob) and not (self._silent(d, ignore_logprob=True) and low_logprob)
 
-    def consume(self, d: Decoded, temperature: float) -> int | None:
-        """Turn the current window's decoded tokens into segments and seek past them.
-
-        Returns the index of the first segment this window added (the length of `segments` when it
-        added none), or None when the window was skipped as silence.
-        """
-        tok = self.tokenizer
-        size = self.segment_frames
-        offset = self.offset
+    # -- a window --------------------------------------------------------------------------------------
+    def begin(self, d: Decoded, temperature: float) -> Window | None:
+        """The current window's decoded tokens (at `temperature`, after any fallback) as segments; seeks past
+        them. None when the window is skipped as silence."""
+        size, seek = self.segment_frames, self.seek
         if d.finish == "length":
             self.finish = "length"
         if self._silent(d):  # whatever the timestamp mode, as in OpenAI's transcribe(): no text made up over noise
             self.seek += size
+            self._settle()
             return None
+        tok = self.tokenizer
+        offset = seek / FRAMES_PER_SECOND
         tokens = d.tokens
         tb = tok.timestamp_begin
         is_ts = [t >= tb for t in tokens]
-        spans: list[tuple[float, float, list[int]]] = []
         single_ending = is_ts[-2:] == [False, True]
         cuts = [i + 1 for i in range(len(tokens) - 1) if is_ts[i] and is_ts[i + 1]]
+        segments: list[WindowSegment] = []
+
+        def add(start: float, end: float, part: list[int]) -> None:
+            segments.append(WindowSegment(seek, start, end, part, tok.decode(part)))
+
         if cuts:
             last = 0
             for cut in cuts + ([len(tokens)] if single_ending else []):
                 part = tokens[last:cut]
-                start, end = (offset + (part[k] - tb) * TIME_PRECISION for k in (0, -1))
-                spans.append((start, end, part))
+                add(offset + (part[0] - tb) * TIME_PRECISION, offset + (part[-1] - tb) * TIME_PRECISION, part)
                 last = cut
             if single_ending:
                 self.seek += size
@@ -139,53 +239,157 @@ class LongFormJob:
             stamps = [t for t in tokens if t >= tb]
             if stamps and stamps[-1] != tb:
                 duration = (stamps[-1] - tb) * TIME_PRECISION
-            spans.append((offset, offset + duration, tokens))
+            add(offset, offset + duration, tokens)
             self.seek += size
         self.counters.tokens += len(tokens)
-        ratio = compression_ratio(tok.decode(tokens))  # of the whole window, as OpenAI reports it
+        return Window(seek, size, d, temperature, segments, single_ending)
+
+    def text_tokens(self, window: Window) -> list[int]:
+        """The window's text tokens (no timestamps, no end), the ones its words are aligned over."""
+        eot = self.tokenizer.eot
+        return [t for s in window.segments for t in s.tokens if t < eot]
+
+    def place_words(self, window: Window, timings: list[WordTiming]) -> bool:
+        """Give the window's segments their words (`timings`: aligned over `text_tokens(window)`, in seconds of
+        the window) as OpenAI's `add_word_timestamps` does, then seek after the last word and, with
+        `hallucination_silence_threshold`, skip silence around words that look made up. False when the whole
+        window is to be dropped (it began with a likely hallucination after a long silence)."""
+        self._add_words(window, timings)
+        segments, offset = window.segments, window.offset
+        last_end = _end(segments)
+        if not window.single_ending and last_end is not None and last_end > offset:
+            self.seek = round(last_end * FRAMES_PER_SECOND)
+        threshold = self.options.hallucination_silence_threshold
+        if threshold is not None:
+            if not window.single_ending and last_end is not None and last_end > offset:
+                remaining = window.end_time - last_end
+                self.seek = round(last_end * FRAMES_PER_SECOND) if remaining > threshold else window.seek + window.size
+            first = _with_words(segments)
+            if first is not None and _is_anomaly(first):
+                gap = first.start - offset
+                if gap > threshold:
+                    self.seek = window.seek + round(gap * FRAMES_PER_SECOND)
+                    self._settle()
+                    return False
+            previous_end = self.last_speech
+            for i, segment in enumerate(segments):
+                if not segment.words:
+                    continue
+                if _is_anomaly(segment):
+                    following = _with_words(segments[i + 1 :])
+                    next_start = following.words[0].start if following is not None else offset + window.size / 100
+                    silence_before = (
+                        segment.start - previous_end > threshold
+                        or segment.start < threshold
+                        or segment.start - offset < 2.0
+                    )
+                    silence_after = (
+                        next_start - segment.end > threshold
+                        or _is_anomaly(following)
+                        or window.end_time - segment.end < 2.0
+                    )
+                    if silence_before and silence_after:
+                        self.seek = round(max(offset + 1, segment.start) * FRAMES_PER_SECOND)
+                        if self.content_frames / FRAMES_PER_SECOND - segment.end < threshold:
+                            self.seek = self.content_frames
+                        del segments[i:]
+                        break
+                previous_end = segment.end
+        last_end = _end(segments)
+        if last_end is not None:
+            self.last_speech = last_end
+        return True
+
+    def _add_words(self, window: Window, timings: list[WordTiming]) -> None:
+        """OpenAI's `add_word_timestamps`: cap words at sentence ends, merge punctuation, give each segment its
+        words (times rounded to 10 ms), and let words and segment bounds correct each other."""
+        segments = window.segments
+        if not segments:
+            return
+        durations = np.array([t.end - t.start for t in timings])
+        durations = durations[durations.nonzero()]
+        median = min(0.7, float(np.median(durations))) if len(durations) else 0.0
+        longest = median * 2
+        if len(durations):
+            for i in range(1, len(timings)):
+                if timings[i].end - timings[i].start > longest:
+                    if timings[i].word in SENTENCE_ENDS:
+                        timings[i].end = timings[i].start + longest
+                    elif timings[i - 1].word in SENTENCE_ENDS:
+                        timings[i].start = timings[i].end - longest
+        merge_punctuation(timings)
+        offset = window.offset
+        last_speech = self.last_speech
+        index = 0
+        eot = self.tokenizer.eot
+        for segment in segments:
+            n = len([t for t in segment.tokens if t < eot])
+            saved = 0
+            words: list[WordTiming] = []  # in seconds of the audio, edited below
+            while index < len(timings) and saved < n:
+                t = timings[index]
+                if t.word:
+                    words.append(
+                        WordTiming(
+                            t.word, t.tokens, round(offset + t.start, 2), round(offset + t.end, 2), t.probability
+                        )
+                    )
+                saved += len(t.tokens)
+                index += 1
+            if words:
+                first, last = words[0], words[-1]
+                # the first and second words after a pause may not be longer than twice the median
+                if first.end - last_speech > median * 4 and (
+                    first.end - first.start > longest or (len(words) > 1 and words[1].end - first.start > longest * 2)
+                ):
+                    if len(words) > 1 and words[1].end - words[1].start > longest:
+                        boundary = max(words[1].end / 2, words[1].end - longest)
+                        first.end = words[1].start = boundary
+                    first.start = max(0, first.end - longest)
+                # the segment's own start and end win over a first or last word that is too long
+                if segment.start < first.end and segment.start - 0.5 > first.start:
+                    first.start = max(0, min(first.end - median, segment.start))
+                else:
+                    segment.start = first.start
+                if segment.end > last.start and segment.end + 0.5 < last.end:
+                    last.end = max(last.start + median, segment.end)
+                else:
+                    segment.end = last.end
+                last_speech = segment.end
+            segment.words = [Word(w.word, w.start, w.end, round(w.probability, 4), tuple(w.tokens)) for w in words]
+
+    def commit(self, window: Window) -> int:
+        """Keep the window's segments (those with text and length), extend the text the next window is
+        conditioned on, and move to where the next window starts. Returns the index of the first segment it
+        added (the length of `segments` when it added none)."""
+        d = window.decoded
+        ratio = compression_ratio(self.tokenizer.decode(d.tokens).strip())  # of the whole window, as OpenAI's
         first_new = len(self.segments)
-        for start, end, part in spans:
-            text = tok.decode([t for t in part if t < tok.eot])
-            if not text.strip():
+        end = self.duration
+        for s in window.segments:
+            if s.start == s.end or not s.text.strip():  # emptied, as in the reference: no text, no tokens
                 continue
+            words = [replace(w, start=min(w.start, end), end=min(w.end, end)) for w in s.words]
             self.segments.append(
                 Segment(
                     id=len(self.segments),
-                    seek=int(offset * FRAMES_PER_SECOND),
-                    start=round(start, 3),
-                    end=round(end, 3),
-                    text=text,
-                    tokens=part,
-                    temperature=temperature,
+                    seek=s.seek,
+                    start=round(min(s.start, end), 3),
+                    end=round(min(s.end, end), 3),
+                    text=s.text,
+                    tokens=s.tokens,
+                    temperature=window.temperature,
                     avg_logprob=d.avg_logprob,
                     compression_ratio=ratio,
                     no_speech_prob=d.no_speech_prob or 0.0,
+                    words=words,
                 )
             )
-        self.all_tokens.extend(t for _, _, part in spans for t in part)
-        if not self.options.condition_on_previous_text or temperature > 0.5:
+            self.all_tokens.extend(s.tokens)
+        if not self.options.condition_on_previous_text or window.temperature > 0.5:
             self.prompt_reset = len(self.all_tokens)
+        self._settle()
         return first_new
-
-    def text_tokens(self, first: int) -> list[int]:
-        """The text tokens (no timestamps, no end) of the segments from index `first` on."""
-        eot = self.tokenizer.eot
-        return [t for s in self.segments[first:] for t in s.tokens if t < eot]
-
-    def attach_words(self, words: list[Word], first: int, offset: float) -> None:
-        """Give the segments from index `first` on their words (aligned over those segments' text tokens,
-        with times relative to the window that starts at `offset` seconds)."""
-        eot = self.tokenizer.eot
-        cursor = 0
-        for k, seg in enumerate(self.segments[first:], start=first):
-            n = len([t for t in seg.tokens if t < eot])
-            mine, used = [], 0
-            while cursor < len(words) and used < n:
-                w = words[cursor]
-                mine.append(Word(w.word, round(w.start + offset, 3), round(w.end + offset, 3), w.probability, w.tokens))
-                used += len(w.tokens)
-                cursor += 1
-            self.segments[k] = replace(seg, words=mine)
 
     def result(self, total_s: float, batch: int, speculative: bool) -> Transcription:
         c = self.counters

@@ -122,7 +122,7 @@ class DecoderLayer(nn.Module):
     ) -> Tensor:
         """x [B, S, D]; lengths [B, S]: the keys each token sees (its position + 1).
 
-        `capture`, when given, receives this layer's cross-attention weights [B, H, S, T].
+        `capture`, when given, receives this layer's cross-attention scores [B, H, S, T] (before the softmax).
         """
         b, s, d = x.shape
         q, k, v = self.qkv(self.self_norm(x)).chunk(3, dim=-1)
@@ -135,9 +135,10 @@ class DecoderLayer(nn.Module):
             attn = prefix_attention(q, cross_k, cross_v, None, attention)
         else:
             heads = self._heads(q)
-            weights = (heads @ cross_k.transpose(-1, -2) * heads.shape[-1] ** -0.5).softmax(-1)
-            capture.append(weights)
-            attn = (weights @ cross_v).transpose(1, 2).reshape(b, s, d)
+            scale = heads.shape[-1] ** -0.25  # on both sides, as OpenAI's model computes them
+            scores = (heads * scale) @ (cross_k * scale).transpose(-1, -2)
+            capture.append(scores)
+            attn = (scores.softmax(-1) @ cross_v).transpose(1, 2).reshape(b, s, d)
         x = x + self.cross_out(attn)
         return x + self.fc2(F.gelu(self.fc1(self.ffn_norm(x))))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -24,6 +25,7 @@ from app.server.metrics import ServerMetrics
 from app.server.realtime.route import router as realtime_router
 from app.server.serving.service import TranscriptionService
 from app.server.serving.status import ServerStatus
+from app.server.vad import SileroVad
 from app.server.web import STATIC
 from app.server.web import router as web_router
 from app.server.worker.batcher import Batcher
@@ -79,11 +81,13 @@ def create_app(settings: Settings | None = None, *, on_fatal: Callable[[str], No
             settings.realtime_partial_max_wait_s,
             max_queued_samples=round(settings.max_queued_audio_seconds * SAMPLE_RATE),
         )
-        service = TranscriptionService(settings, batcher, metrics)
+        vad = SileroVad()
+        service = TranscriptionService(settings, batcher, metrics, vad)
         app.state.service = service
         app.state.status = ServerStatus(worker, batcher, metrics, service)
         worker.start()
         batcher.start()
+        await asyncio.to_thread(vad.load)  # while the worker loads its models
         try:
             yield
         finally:

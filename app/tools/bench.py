@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jiwer
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -41,13 +42,11 @@ def normalize(text: str) -> str:
 
 
 def edit_distance(ref: Sequence[str], hyp: Sequence[str]) -> int:
-    prev = list(range(len(hyp) + 1))
-    for i, r in enumerate(ref, start=1):
-        cur = [i] + [0] * len(hyp)
-        for j, h in enumerate(hyp, start=1):
-            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (r != h))
-        prev = cur
-    return prev[-1]
+    """Word (unit) substitutions, deletions and insertions turning `ref` into `hyp` (jiwer's alignment)."""
+    if not ref or not hyp:
+        return max(len(ref), len(hyp))
+    out = jiwer.process_words(" ".join(ref), " ".join(hyp))
+    return int(out.substitutions + out.deletions + out.insertions)
 
 
 def error_units(text: str, language: str) -> list[str]:

@@ -59,7 +59,7 @@ class DecoderState:
     def feed(self, rows: Sequence[Sequence[int]], capture: list[Tensor] | None = None) -> tuple[Tensor, RaggedFeed]:
         """Append `rows` after what each row holds; returns hidden states [B, S, D] and the feed.
 
-        `capture` receives each layer's cross-attention weights [B, H, S, T] (for word alignment).
+        `capture` receives each layer's cross-attention scores [B, H, S, T] before the softmax (for word alignment).
         """
         feed = RaggedFeed.build(rows, self.fed, self.cross.keys[0].device)
         hidden = self.decoder(feed.tokens, feed.positions, feed.real, self.cache, self.cross, capture)
@@ -98,6 +98,7 @@ class Row:
     eot: int
     draft: bool = True
     temperature: float = 0.0
+    seed: int = 0  # keys the sampling noise of each position (app.engine.decoding.selection)
     sot_index: int = 0
     finish: str | None = None
     sum_logprob: float = 0.0

@@ -1,8 +1,14 @@
-"""Choosing tokens from verified logits: greedy matching, or speculative sampling.
+"""Choosing tokens from verified logits: greedy matching, also for sampling.
 
-Both take the main model's (rule-filtered) logits at the n+1 positions of a row's
-n drafts and return how many drafts to keep plus the next token. With no drafts
-they are plain greedy decoding and plain temperature sampling.
+`greedy_select` takes the main model's (rule-filtered) logits at the n+1 positions of a row's n drafts and
+returns how many drafts to keep plus the next token; with no drafts it is plain greedy decoding.
+
+Sampling at a temperature is greedy decoding of perturbed logits (the Gumbel-max trick): the token at
+position t is argmax(logits / T + g_t), with g_t Gumbel(0, 1) noise drawn from a generator keyed by the
+row's seed and t alone, which makes it a draw from softmax(logits / T). Because the noise does not depend on
+how a pass reaches position t (alone or after drafts, in whatever batch), speculative sampling verifies
+drafts exactly as greedy decoding does and gives main-only's tokens bit for bit, and the same request always
+gets the same sample.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+SEED_BITS = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
@@ -28,32 +36,15 @@ def greedy_select(logits: Tensor, drafts: list[int]) -> Selection:
     return Selection(m, predicted[m])
 
 
-def speculative_sample(
-    logits: Tensor,
-    drafts: list[int],
-    draft_probs: Tensor | None,
-    temperature: float,
-    generator: torch.Generator,
-) -> Selection:
-    """Leviathan et al.: keep draft j with probability min(1, p_j(d_j) / q_j(d_j)); on the first
-    rejection sample from normalize(max(0, p_j - q_j)); after n acceptances sample from p_n.
-    The result is distributed exactly as sampling from the main model (logits [n+1, V],
-    draft_probs [n, V] the draft's sampling distributions)."""
-    p = torch.softmax(logits / temperature, dim=-1)
-    for j, token in enumerate(drafts):
-        assert draft_probs is not None
-        q = draft_probs[j]
-        ratio = float(p[j, token]) / max(float(q[token]), 1e-30)
-        if float(torch.rand((), generator=generator)) < min(1.0, ratio):
-            continue
-        residual = (p[j] - q).clamp(min=0)
-        total = float(residual.sum())
-        dist = residual / total if total > 0 else p[j]
-        return Selection(j, int(torch.multinomial(dist, 1, generator=generator)))
-    return Selection(len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=generator)))
+def gumbel(seed: int, position: int, vocab: int, device: torch.device | str = "cpu") -> Tensor:
+    """Gumbel(0, 1) noise [vocab] for token `position` of the row keyed by `seed`: always the same numbers."""
+    generator = torch.Generator(device=device).manual_seed(hash((seed, position)) & SEED_BITS)
+    uniform = torch.rand(vocab, generator=generator, device=device)
+    return -torch.log(-torch.log(uniform))
 
 
-def sample(logits: Tensor, temperature: float, generator: torch.Generator) -> tuple[int, Tensor]:
-    """Sample one token from logits [V] at `temperature`; also return the distribution [V]."""
-    probs = torch.softmax(logits / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator)), probs
+def perturbed(logits: Tensor, temperature: float, seed: int, first_position: int) -> Tensor:
+    """logits [k, V] of positions first_position.. as `logits / temperature + noise`: their argmax is a sample."""
+    k, vocab = logits.shape
+    noise = torch.stack([gumbel(seed, first_position + j, vocab, logits.device) for j in range(k)])
+    return logits.float() / temperature + noise

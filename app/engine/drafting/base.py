@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-import torch
 from torch import Tensor
 
 from app.engine.decoding.batch import DecoderState, Row
@@ -42,15 +41,13 @@ class DraftInputs:
 
 @dataclass(frozen=True)
 class Drafts:
-    """Proposed tokens per row, and for rows that sample (temperature > 0) the draft's
-    sampling distribution at each proposed position ([n_b, V]; None for greedy rows)."""
+    """Proposed tokens per row."""
 
     tokens: list[list[int]]
-    probs: list[Tensor | None]
 
     @classmethod
     def empty(cls, batch: int) -> Drafts:
-        return cls([[] for _ in range(batch)], [None] * batch)
+        return cls([[] for _ in range(batch)])
 
 
 class DraftSession(Protocol):
@@ -58,8 +55,10 @@ class DraftSession(Protocol):
 
     passes: int  # draft forward passes so far
 
-    def get_candidates(self, rows: Sequence[Row], budgets: Sequence[int], generator: torch.Generator) -> Drafts:
-        """Propose at most budgets[b] tokens to follow rows[b].tokens (sampled at the row's temperature)."""
+    def get_candidates(self, rows: Sequence[Row], budgets: Sequence[int]) -> Drafts:
+        """Propose at most budgets[b] tokens to follow rows[b].tokens. Any tokens are correct (the main model
+        verifies them); for a row that samples, the best guesses are the draft's argmax of its logits perturbed
+        as the main model's will be (`app.engine.decoding.selection.perturbed`, the row's seed)."""
 
     def update_candidate_strategy(self, rows: Sequence[Row], accepted: Sequence[int], proposed: Sequence[int]) -> None:
         """Learn that rows[b] kept accepted[b] of proposed[b] drafts (rows already extended). Rows that

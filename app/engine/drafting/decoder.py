@@ -11,10 +11,9 @@ from collections.abc import Sequence
 from typing import Literal
 
 import torch
-from torch import Tensor
 
 from app.engine.decoding.batch import DecoderState, Row, gather_positions, scored_logits
-from app.engine.decoding.selection import sample
+from app.engine.decoding.selection import perturbed
 from app.engine.drafting.base import DraftInputs, DraftLength, Drafts
 from app.model.decoder import CrossKV, TextDecoder
 from app.model.whisper import WhisperModel
@@ -39,10 +38,9 @@ class DecoderDraftSession:
         self.k = [length.initial] * len(state.fed)
         self.passes = 0
 
-    def get_candidates(self, rows: Sequence[Row], budgets: Sequence[int], generator: torch.Generator) -> Drafts:
+    def get_candidates(self, rows: Sequence[Row], budgets: Sequence[int]) -> Drafts:
         want = [min(k, budget) for k, budget in zip(self.k, budgets, strict=True)]
         drafts: list[list[int]] = [[] for _ in rows]
-        probs: list[list[Tensor]] = [[] for _ in rows]
         if max(want) == 0:
             return Drafts.empty(len(rows))
         # Step 0 feeds whatever each row gained since the last draft (prompt, accepted drafts, correction).
@@ -54,6 +52,10 @@ class DecoderDraftSession:
             last = gather_positions(hidden, [[max(n - 1, 0)] for n in feed.lengths])
             logits = scored_logits(self.state.decoder, last, rows, drafts, [len(d) for d in drafts])[:, 0]
             best = logits.argmax(-1).tolist()
+            for b, row in enumerate(rows):  # a sampling row guesses with the noise the main model will use
+                if open_rows[b] and row.temperature > 0:
+                    position = len(row.tokens) + len(drafts[b])
+                    best[b] = int(perturbed(logits[b : b + 1], row.temperature, row.seed, position).argmax())
             if self.length.confidence > 0.0:
                 confident = (logits.softmax(-1).max(-1).values >= self.length.confidence).tolist()
             else:
@@ -61,15 +63,12 @@ class DecoderDraftSession:
             feeds = []
             for b, row in enumerate(rows):
                 token = best[b]
-                if open_rows[b] and row.temperature > 0:
-                    token, dist = sample(logits[b], row.temperature, generator)
-                    probs[b].append(dist)
                 if open_rows[b]:
                     drafts[b].append(token)
-                    open_rows[b] = len(drafts[b]) < want[b] and confident[b] and token != rows[b].eot
+                    open_rows[b] = len(drafts[b]) < want[b] and confident[b] and token != row.eot
                 feeds.append([token] if open_rows[b] else [])
         # Every draft but the last of each row now sits in the draft cache.
-        return Drafts(drafts, [torch.stack(p) if p else None for p in probs])
+        return Drafts(drafts)
 
     def update_candidate_strategy(self, rows: Sequence[Row], accepted: Sequence[int], proposed: Sequence[int]) -> None:
         # The cache holds the old tokens and the drafts; the accepted ones match the extended rows.

@@ -12,8 +12,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from app.api import errors
+from app.server.http.forms import object_field, text_fields
 from app.server.http.limits import unless_disconnected
-from app.server.serving.service import TranscriptionRequest, TranscriptionService
+from app.server.serving.service import LONG_FORM_FIELDS, TranscriptionRequest, TranscriptionService
 from app.server.serving.status import ServerStatus
 
 router = APIRouter()
@@ -65,6 +66,8 @@ async def _transcription(
         timestamp_granularities=tuple(granularities or ()),
         speculative=speculative,
         stream=stream,
+        chunking_strategy=await object_field(request, "chunking_strategy"),
+        long_form=await text_fields(request, LONG_FORM_FIELDS),
     )
     if stream:
         events = await _service(request).transcribe_stream(req, request.state.request_id)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from app.server.realtime.vad import VadConfig
+from app.server.vad import VadParamError, VadParams, server_vad
 
 SAMPLE_RATES = (16000, 24000)
 
@@ -33,7 +33,7 @@ class SessionConfig:
     language: str | None = None
     prompt: str | None = None
     sample_rate: int = 24000
-    vad: VadConfig | None = field(default_factory=VadConfig)  # None: the client commits turns itself
+    vad: VadParams | None = field(default_factory=VadParams)  # None: the client commits turns itself
 
     def beta(self, session_id: str) -> dict[str, Any]:
         return {
@@ -60,15 +60,8 @@ class SessionConfig:
         }
 
 
-def _vad_out(vad: VadConfig | None) -> dict[str, Any] | None:
-    if vad is None:
-        return None
-    return {
-        "type": "server_vad",
-        "threshold": vad.threshold,
-        "prefix_padding_ms": vad.prefix_padding_ms,
-        "silence_duration_ms": vad.silence_duration_ms,
-    }
+def _vad_out(vad: VadParams | None) -> dict[str, Any] | None:
+    return None if vad is None else {"type": "server_vad", **vad.to_dict()}
 
 
 def _obj(value: Any, param: str) -> dict[str, Any]:
@@ -77,32 +70,11 @@ def _obj(value: Any, param: str) -> dict[str, Any]:
     return value
 
 
-def _number(raw: dict[str, Any], key: str, param: str, low: float, high: float) -> float | None:
-    value = raw.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ConfigError(f"{param}.{key} must be a number in [{low:g}, {high:g}]", f"{param}.{key}")
-    return float(value)
-
-
-def _turn_detection(current: VadConfig | None, raw: Any, param: str) -> VadConfig | None:
-    if raw is None:
-        return None
-    raw = _obj(raw, param)
-    kind = raw.get("type", "server_vad")
-    if kind != "server_vad":
-        raise ConfigError(f"{param}.type {kind!r} is not supported; use 'server_vad' or null", f"{param}.type")
-    vad = current or VadConfig()
-    threshold = _number(raw, "threshold", param, 0.0, 1.0)
-    padding = _number(raw, "prefix_padding_ms", param, 0, 5000)
-    silence = _number(raw, "silence_duration_ms", param, 100, 10000)
-    return replace(
-        vad,
-        threshold=vad.threshold if threshold is None else threshold,
-        prefix_padding_ms=vad.prefix_padding_ms if padding is None else int(padding),
-        silence_duration_ms=vad.silence_duration_ms if silence is None else int(silence),
-    )
+def _turn_detection(current: VadParams | None, raw: Any, param: str) -> VadParams | None:
+    try:
+        return server_vad(raw, param, current)
+    except VadParamError as exc:
+        raise ConfigError(str(exc), exc.param) from exc
 
 
 def _transcription(config: SessionConfig, raw: Any, param: str) -> SessionConfig:
@@ -134,7 +106,9 @@ def apply_update(config: SessionConfig, session: Any) -> SessionConfig:
             config = _rate(config, fmt.get("rate", 24000), "session.audio.input.format.rate")
         config = _transcription(config, inp.get("transcription"), "session.audio.input.transcription")
         if "turn_detection" in inp:
-            config = replace(config, vad=_turn_detection(config.vad, inp["turn_detection"], "session.audio.input"))
+            config = replace(
+                config, vad=_turn_detection(config.vad, inp["turn_detection"], "session.audio.input.turn_detection")
+            )
         return config
     fmt = session.get("input_audio_format")
     if fmt is not None and fmt != "pcm16":

@@ -32,8 +32,8 @@ from app.api import errors
 from app.api.audio import SAMPLE_RATE
 from app.api.types import DecodingOptions
 from app.server.realtime.config import ConfigError, SessionConfig, apply_update
-from app.server.realtime.vad import EnergyVad
 from app.server.serving.service import TranscriptionService
+from app.server.vad import SpeechStream
 from app.settings import Settings
 
 log = logging.getLogger("specwhisper.realtime")
@@ -125,7 +125,7 @@ class RealtimeSession:
         self.outbound: asyncio.Queue[dict[str, Any]] = asyncio.Queue(OUTBOUND_LIMIT)
         self.doomed: asyncio.Future[Closing] = asyncio.get_running_loop().create_future()
         self.buffer = AudioBuffer()
-        self.vad = EnergyVad(self.config.vad) if self.config.vad else None
+        self.vad = service.vad.stream(self.config.vad) if self.config.vad else None
         self._resampler: soxr.ResampleStream | None = None
         self.item_id: str | None = None  # the open utterance
         self.item_start = 0
@@ -209,7 +209,7 @@ class RealtimeSession:
         if config.sample_rate != self.config.sample_rate:
             self._resampler = None
         if config.vad != self.config.vad:
-            self.vad = EnergyVad(config.vad) if config.vad else None
+            self.vad = self.service.vad.stream(config.vad) if config.vad else None
         self.config = config
         if event["type"] == "session.update":
             self.emit({"type": "session.updated", "session": config.ga(self.id)})
@@ -276,9 +276,9 @@ class RealtimeSession:
             )
             raise Closing(1008, "audio backlog too large")
 
-    def _follow_vad(self, vad: EnergyVad, samples: np.ndarray) -> None:
+    def _follow_vad(self, vad: SpeechStream, samples: np.ndarray) -> None:
         """Open an utterance when speech starts (with its pre-roll), close it when speech stops."""
-        padding = vad.config.prefix_padding_ms * SAMPLE_RATE // 1000
+        padding = vad.params.prefix_padding_ms * SAMPLE_RATE // 1000
         for change in vad.feed(samples):
             ms = change.sample * 1000 // SAMPLE_RATE
             if change.kind == "start" and self.item_id is None:

@@ -10,24 +10,29 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections import deque
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from app.api import errors
-from app.api.audio import AudioError, AudioTooLongError, decode_audio
+from app.api.audio import SAMPLE_RATE, AudioError, AudioTooLongError, decode_audio
 from app.api.formats import FORMATS, to_srt, to_verbose_json, to_vtt
-from app.api.types import DecodingOptions, InvalidRequestError, Transcription
+from app.api.types import FALLBACK_TEMPERATURES, DecodingOptions, InvalidRequestError, Transcription
 from app.server.metrics import ServerMetrics
+from app.server.serving.chunking import CHUNK_SECONDS, Chunk, merge, normalized, plan
+from app.server.vad import SileroVad, VadParamError, VadParams, server_vad
 from app.server.worker.batcher import Batcher, Lane, Pending, QueueFull, ShuttingDown
 from app.server.worker.protocol import Job
 from app.server.worker.supervisor import NoUsableModel, WorkerUnavailable
 from app.settings import Settings
 
 NON_AUDIO_TYPES = ("text/", "image/", "application/json", "application/xml", "application/pdf")
+# An upload's VAD by default: OpenAI's `server_vad` defaults for chunking (a 200-ms pause ends speech).
+UPLOAD_VAD = VadParams(threshold=0.5, prefix_padding_ms=300, silence_duration_ms=200)
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,29 @@ class TranscriptionRequest:
     timestamp_granularities: tuple[str, ...] = ()
     speculative: bool = True
     stream: bool = False
+    # "auto", "none", a `server_vad` object, or its JSON; None: as the operator's `default_chunking_strategy`
+    chunking_strategy: str | dict[str, Any] | None = None
+    # openai-whisper's transcribe() options (ours: OpenAI's API has none of them), as sent; None: the default
+    long_form: dict[str, str] = field(default_factory=dict)
+
+
+# openai-whisper's `transcribe()` options an upload may set (form fields of the same names).
+LONG_FORM_FIELDS = (
+    "condition_on_previous_text",
+    "compression_ratio_threshold",
+    "logprob_threshold",
+    "no_speech_threshold",
+    "hallucination_silence_threshold",
+    "clip_timestamps",
+)
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """How an upload is cut into chunks by the VAD (`normalize`: level its loudness for the VAD first)."""
+
+    params: VadParams
+    normalize: bool
 
 
 @dataclass(frozen=True)
@@ -55,15 +83,48 @@ class Reply:
     metrics: dict[str, Any]
 
 
+def _long_form(raw: dict[str, str]) -> dict[str, Any]:
+    """The `transcribe()` options of an upload's form fields; ApiError naming the field if one is invalid.
+    A threshold of "none" (or "null") turns that check off."""
+    out: dict[str, Any] = {}
+    for name, value in raw.items():
+        text = value.strip()
+        try:
+            if name == "condition_on_previous_text":
+                if text.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError
+                out[name] = text.lower() in ("true", "1")
+            elif name == "clip_timestamps":
+                out[name] = tuple(float(t) for t in text.split(",") if t.strip())
+            elif text.lower() in ("none", "null"):
+                out[name] = None
+            else:
+                out[name] = float(text)
+                if not np.isfinite(out[name]):
+                    raise ValueError
+        except ValueError:
+            kind = {"condition_on_previous_text": "true or false", "clip_timestamps": "comma-separated seconds"}
+            raise errors.bad_request(
+                f"{name} must be {kind.get(name, 'a number or none')}, got {value[:40]!r}", param=name
+            ) from None
+    return out
+
+
+def _param_of(message: str) -> str | None:
+    """The option an engine validation message is about (it starts with the option's name)."""
+    return next((name for name in LONG_FORM_FIELDS if message.startswith(name)), None)
+
+
 class TooManySessions(Exception):
     """`realtime_max_sessions` live sessions are open already."""
 
 
 class TranscriptionService:
-    def __init__(self, settings: Settings, batcher: Batcher, metrics: ServerMetrics) -> None:
+    def __init__(self, settings: Settings, batcher: Batcher, metrics: ServerMetrics, vad: SileroVad) -> None:
         self.settings = settings
         self.batcher = batcher
         self.metrics = metrics
+        self.vad = vad
         self.model_id = settings.served_model_name or settings.model.rstrip("/").split("/")[-1]
         self.live_sessions = 0
 
@@ -91,7 +152,40 @@ class TranscriptionService:
         timestamps = "word" if "word" in granularities else "none"
         if timestamps == "none" and req.response_format in ("srt", "vtt", "verbose_json"):
             timestamps = "segment"
-        return self._decoding_options(req.task, req.language, req.prompt, req.temperature, timestamps, req.speculative)
+        options = self._decoding_options(
+            req.task, req.language, req.prompt, req.temperature, timestamps, req.speculative
+        )
+        # temperature 0 means OpenAI's fallback: greedy first, then hotter while a window fails the thresholds
+        ladder = FALLBACK_TEMPERATURES if req.temperature == 0 else (req.temperature,)
+        try:
+            return replace(options, temperature=ladder, **_long_form(req.long_form))
+        except InvalidRequestError as exc:
+            raise errors.bad_request(str(exc), param=_param_of(str(exc))) from exc
+
+    def _chunking(self, req: TranscriptionRequest) -> Chunking | None:
+        """The request's `chunking_strategy` (else the operator's default); ApiError if it is invalid."""
+        raw = req.chunking_strategy if req.chunking_strategy is not None else self.settings.default_chunking_strategy
+        if isinstance(raw, str) and raw.strip().startswith("{"):
+            try:
+                raw = json.loads(raw)
+            except ValueError as exc:
+                raise errors.bad_request(
+                    f"chunking_strategy is not valid JSON: {exc}", param="chunking_strategy"
+                ) from exc
+        if raw == "auto":
+            return Chunking(UPLOAD_VAD, normalize=True)
+        if raw == "none":
+            return None
+        if not isinstance(raw, dict):
+            raise errors.bad_request(
+                "chunking_strategy must be 'auto', 'none' or a server_vad object", param="chunking_strategy"
+            )
+        try:
+            params = server_vad(raw, "chunking_strategy", UPLOAD_VAD)
+        except VadParamError as exc:
+            raise errors.bad_request(str(exc), param=exc.param) from exc
+        assert params is not None
+        return Chunking(params, normalize=False)
 
     def _check_model(self, model: str) -> None:
         if model not in self.model_ids:
@@ -215,10 +309,45 @@ class TranscriptionService:
     async def transcribe(self, req: TranscriptionRequest, request_id: str | None = None) -> Reply:
         started = time.perf_counter()
         options = self._options(req)
+        chunking = self._chunking(req)
         audio = await self._audio(req)
-        pending = self.submit(Job(request_id or uuid.uuid4().hex, audio, options))
-        transcription, queue_ms = await self.result(pending)
+        request_id = request_id or uuid.uuid4().hex
+        if chunking is not None:
+            chunks = await self._chunks(audio, chunking)
+            parts = [t async for t in self._chunk_results(request_id, audio, options, chunks)]
+            queue_ms = parts[0][1] if parts else 0.0
+            transcription = merge(chunks, [t for t, _ in parts], audio.size / SAMPLE_RATE, options.language)
+        else:
+            transcription, queue_ms = await self.result(self.submit(Job(request_id, audio, options)))
         return self._reply(req, transcription, queue_ms, (time.perf_counter() - started) * 1000)
+
+    # -- chunked uploads -------------------------------------------------------------------------------
+    async def _chunks(self, audio: np.ndarray, chunking: Chunking) -> list[Chunk]:
+        """The upload's speech, packed into chunks of at most 30 s (the VAD runs off the event loop)."""
+        heard = normalized(audio) if chunking.normalize else audio
+        regions = await asyncio.to_thread(self.vad.regions, heard, chunking.params, CHUNK_SECONDS)
+        return plan(regions)
+
+    async def _chunk_results(
+        self, request_id: str, audio: np.ndarray, options: DecodingOptions, chunks: Sequence[Chunk]
+    ) -> AsyncIterator[tuple[Transcription, float]]:
+        """Each chunk's transcription and queue time, in order. At most `max_batch` chunks of a request are
+        queued at once: they fill a batch together, and other requests' jobs take turns with them."""
+        queued: deque[asyncio.Future[tuple[Transcription, float]]] = deque()
+        waiting = iter(enumerate(chunks))
+        try:
+            while True:
+                for i, chunk in waiting:
+                    job = Job(f"{request_id}-{i}", chunk.audio(audio), options)
+                    queued.append(asyncio.ensure_future(self.result(self.submit(job))))
+                    if len(queued) >= self.settings.max_batch:
+                        break
+                if not queued:
+                    return
+                yield await queued.popleft()
+        finally:
+            for future in queued:
+                future.cancel()
 
     async def transcribe_stream(
         self, req: TranscriptionRequest, request_id: str | None = None
@@ -227,9 +356,39 @@ class TranscriptionService:
         `transcript.text.delta` per segment as windows complete, then `transcript.text.done`."""
         started = time.perf_counter()
         options = self._options(req)
+        chunking = self._chunking(req)
         audio = await self._audio(req)
-        pending = self.submit(Job(request_id or uuid.uuid4().hex, audio, options, stream=True))
+        request_id = request_id or uuid.uuid4().hex
+        if chunking is not None:
+            chunks = await self._chunks(audio, chunking)
+            return self._chunked_events(req, request_id, audio, options, chunks, started)
+        pending = self.submit(Job(request_id, audio, options, stream=True))
         return self._events(req, pending, started)
+
+    async def _chunked_events(
+        self,
+        req: TranscriptionRequest,
+        request_id: str,
+        audio: np.ndarray,
+        options: DecodingOptions,
+        chunks: Sequence[Chunk],
+        started: float,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """`transcript.text.delta` per chunk, in order, then `transcript.text.done`."""
+        parts: list[tuple[Transcription, float]] = []
+        sent = False
+        try:
+            async for part in self._chunk_results(request_id, audio, options, chunks):
+                parts.append(part)
+                if part[0].text:
+                    yield {"type": "transcript.text.delta", "delta": (" " if sent else "") + part[0].text}
+                    sent = True
+        except errors.ApiError as exc:
+            yield {"type": "error", **exc.body()}
+            return
+        transcription = merge(chunks, [t for t, _ in parts], audio.size / SAMPLE_RATE, options.language)
+        reply = self._reply(req, transcription, parts[0][1] if parts else 0.0, (time.perf_counter() - started) * 1000)
+        yield {"type": "transcript.text.done", "text": transcription.text, "metrics": reply.metrics}
 
     async def _events(
         self, req: TranscriptionRequest, pending: Pending, started: float

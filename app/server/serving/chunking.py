@@ -1,0 +1,155 @@
+"""An upload's `chunking_strategy`: speech regions -> chunks of at most 30 s -> one transcription, on its timeline.
+
+The VAD's speech regions (each padded, none longer than a chunk) are packed in order into chunks: a
+chunk is the concatenation of whole regions, the silence between them left out, up to `CHUNK_SECONDS`
+of audio. Each chunk is decoded as one clip (the batcher runs several in a batch); its segment and word
+times, which count seconds of the chunk, are mapped back through its pieces to seconds of the upload and
+kept within the upload's end. Non-speech is never decoded, so it produces no text.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from app.api.audio import SAMPLE_RATE
+from app.api.types import Metrics, Segment, Transcription, Word
+
+CHUNK_SECONDS = 30.0
+TARGET_LEVEL = 0.1  # "auto": loud frames are brought to about -20 dBFS before the VAD listens
+MAX_GAIN = 100.0  # ... by at most +40 dB
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Pieces of the upload ([start, end) samples, in order), decoded as one clip."""
+
+    pieces: tuple[tuple[int, int], ...]
+
+    @property
+    def samples(self) -> int:
+        return sum(end - start for start, end in self.pieces)
+
+    def audio(self, audio: np.ndarray) -> np.ndarray:
+        return np.concatenate([audio[start:end] for start, end in self.pieces])
+
+    def to_original(self, t: float, *, is_end: bool = False) -> float:
+        """Seconds into the chunk -> seconds into the upload. A time on a seam between two pieces belongs
+        to the piece it ends (`is_end`) or starts."""
+        starts = np.cumsum([0] + [end - start for start, end in self.pieces[:-1]]).tolist()
+        sample = t * SAMPLE_RATE
+        k = (bisect.bisect_left if is_end else bisect.bisect_right)(starts, sample) - 1
+        k = min(max(k, 0), len(self.pieces) - 1)
+        return (self.pieces[k][0] + sample - starts[k]) / SAMPLE_RATE
+
+
+def plan(regions: Sequence[tuple[int, int]], max_seconds: float = CHUNK_SECONDS) -> list[Chunk]:
+    """Pack speech regions, in order, into chunks of at most `max_seconds` of audio (a longer region, which
+    the VAD should not give, is cut)."""
+    limit = int(max_seconds * SAMPLE_RATE)
+    chunks: list[Chunk] = []
+    pieces: list[tuple[int, int]] = []
+    size = 0
+    for start, end in regions:
+        while end - start > limit:  # not from the VAD, which cuts long speech at a pause
+            if pieces:
+                chunks.append(Chunk(tuple(pieces)))
+                pieces, size = [], 0
+            chunks.append(Chunk(((start, start + limit),)))
+            start += limit
+        if size + end - start > limit and pieces:
+            chunks.append(Chunk(tuple(pieces)))
+            pieces, size = [], 0
+        pieces.append((start, end))
+        size += end - start
+    if pieces:
+        chunks.append(Chunk(tuple(pieces)))
+    return chunks
+
+
+def normalized(audio: np.ndarray) -> np.ndarray:
+    """`audio` with its loud frames (the 95th percentile of 32-ms RMS) near -20 dBFS, gain within 0..+40 dB:
+    what the VAD hears under `chunking_strategy=auto`, so that a quiet recording's speech still counts."""
+    frames = audio[: audio.size // 512 * 512].reshape(-1, 512)
+    if frames.size == 0:
+        return audio
+    level = float(np.percentile(np.sqrt(np.mean(frames.astype(np.float64) ** 2, axis=1)), 95))
+    gain = min(MAX_GAIN, max(1.0, TARGET_LEVEL / level)) if level > 0 else 1.0
+    return audio if gain == 1.0 else np.clip(audio * gain, -1.0, 1.0).astype(np.float32)
+
+
+def _word(w: Word, chunk: Chunk, duration: float) -> Word:
+    start = min(chunk.to_original(w.start), duration)
+    end = min(max(chunk.to_original(w.end, is_end=True), start), duration)
+    return replace(w, start=round(start, 3), end=round(end, 3))
+
+
+def _segments(chunks: Sequence[Chunk], parts: Sequence[Transcription], duration: float) -> list[Segment]:
+    segments: list[Segment] = []
+    for chunk, part in zip(chunks, parts, strict=True):
+        seek = round(chunk.pieces[0][0] / SAMPLE_RATE * 100)  # mel frames (10 ms) into the upload
+        for s in part.segments:
+            start = min(chunk.to_original(s.start), duration)
+            end = min(max(chunk.to_original(s.end, is_end=True), start), duration)
+            words = [_word(w, chunk, duration) for w in s.words]
+            segments.append(
+                replace(s, id=len(segments), seek=seek, start=round(start, 3), end=round(end, 3), words=words)
+            )
+    return segments
+
+
+def _metrics(parts: Sequence[Transcription], duration: float) -> Metrics:
+    """The chunks' measurements together; a batch's encode and decode time is shared among its rows."""
+    ms = [p.metrics for p in parts]
+    drafted = sum(m.draft_proposed for m in ms)
+    accepted = sum(m.draft_accepted for m in ms)
+    passes = sum(m.main_passes for m in ms)
+    tokens = sum(m.tokens for m in ms)
+    total_ms = sum(m.total_ms / m.batch_size for m in ms)
+    return Metrics(
+        audio_seconds=round(duration, 3),
+        encode_ms=round(sum(m.encode_ms / m.batch_size for m in ms), 2),
+        decode_ms=round(sum(m.decode_ms / m.batch_size for m in ms), 2),
+        total_ms=round(total_ms, 2),
+        tokens=tokens,
+        draft_proposed=drafted,
+        draft_accepted=accepted,
+        acceptance_rate=round(accepted / drafted, 4) if drafted else 0.0,
+        main_passes=passes,
+        draft_passes=sum(m.draft_passes for m in ms),
+        tokens_per_main_pass=round(tokens / passes, 3) if passes else 0.0,
+        real_time_factor=round(total_ms / 1000 / duration, 4) if duration else 0.0,
+        speculative=any(m.speculative for m in ms),
+        batch_size=max((m.batch_size for m in ms), default=1),
+        windows=sum(m.windows for m in ms),
+    )
+
+
+def merge(
+    chunks: Sequence[Chunk], parts: Sequence[Transcription], duration: float, language: str | None
+) -> Transcription:
+    """The chunks' transcriptions as one, on the upload's timeline (`duration` s). `language`: the request's, else
+    the language most of the speech was detected in."""
+    if language is None:
+        spoken: Counter[str] = Counter()
+        for chunk, part in zip(chunks, parts, strict=True):
+            if part.language is not None:
+                spoken[part.language] += chunk.samples
+        language = spoken.most_common(1)[0][0] if spoken else None
+    probability = next((p.language_probability for p in parts if p.language == language), None)
+    segments = _segments(chunks, parts, duration)
+    finish = next((p.finish for p in parts if p.finish != "stop"), "stop")
+    return Transcription(
+        text="".join(s.text for s in segments).strip(),
+        tokens=[t for p in parts for t in p.tokens],
+        language=language,
+        language_probability=probability,
+        duration=round(duration, 3),
+        segments=segments,
+        finish=finish,
+        metrics=_metrics(parts, duration),
+    )

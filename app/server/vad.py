@@ -1,0 +1,190 @@
+"""Voice-activity detection: Silero VAD (the `silero-vad` package's ONNX model, run by onnxruntime on the CPU).
+
+The one VAD of the server: it finds the speech regions of an upload (`SileroVad.regions`, for
+`chunking_strategy`) and follows a live stream's turns (`SileroVad.stream`, for realtime sessions). Its
+knobs are OpenAI's (`VadParams`): `threshold` is Silero's speech probability, `silence_duration_ms` the
+silence that ends speech, `prefix_padding_ms` the audio kept before it; `min_speech_duration_ms` (ours) is the
+shortest sound that counts as speech.
+
+One ONNX session serves every caller: each call or stream works on a shallow copy of the model wrapper,
+which shares the session and keeps its own recurrent state. The package imports torch (it hands tensors to
+the wrapper, and sets torch's threads to 1 in the process that imports it): only the web process, which
+runs no model of its own, loads it; it costs ~1.7 s and ~200 MB there, paid once at start-up (`load`).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from app.api.audio import SAMPLE_RATE
+
+WINDOW = 512  # samples per Silero frame at 16 kHz (32 ms)
+
+
+class VadParamError(ValueError):
+    """A VAD parameter out of range; `param` names it."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class VadParams:
+    """OpenAI's server-VAD parameters (and the shortest speech), validated when built."""
+
+    threshold: float = 0.5
+    prefix_padding_ms: int = 300
+    silence_duration_ms: int = 500
+    min_speech_duration_ms: int = 250
+
+    def __post_init__(self) -> None:
+        _check("threshold", self.threshold, 0.0, 1.0)
+        _check("prefix_padding_ms", self.prefix_padding_ms, 0, 5000)
+        _check("silence_duration_ms", self.silence_duration_ms, 0, 10000)
+        _check("min_speech_duration_ms", self.min_speech_duration_ms, 0, 10000)
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {
+            "threshold": self.threshold,
+            "prefix_padding_ms": self.prefix_padding_ms,
+            "silence_duration_ms": self.silence_duration_ms,
+            "min_speech_duration_ms": self.min_speech_duration_ms,
+        }
+
+
+PARAMS = ("threshold", "prefix_padding_ms", "silence_duration_ms", "min_speech_duration_ms")
+# OpenAI fields of a `turn_detection` that concern responses, not transcription: accepted and ignored.
+IGNORED = ("create_response", "interrupt_response", "idle_timeout_ms")
+
+
+def server_vad(raw: Any, param: str, current: VadParams | None = None) -> VadParams | None:
+    """VAD parameters from an API object `{"type": "server_vad", "threshold": ..., ...}` (a realtime
+    `turn_detection` or an upload's `chunking_strategy`), the fields it leaves out as in `current` (default:
+    the defaults); None for null. Raises VadParamError naming the field as `param`.<field>."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise VadParamError(f"{param} must be an object or null", param)
+    kind = raw.get("type", "server_vad")
+    if kind != "server_vad":
+        raise VadParamError(f"{param}.type {kind!r} is not supported; use 'server_vad'", f"{param}.type")
+    unknown = sorted(set(raw) - {"type", *PARAMS, *IGNORED})
+    if unknown:
+        raise VadParamError(f"unknown parameter {param}.{unknown[0]}", f"{param}.{unknown[0]}")
+    given = {key: raw[key] for key in PARAMS if raw.get(key) is not None}
+    try:
+        return replace(current or VadParams(), **given)
+    except VadParamError as exc:
+        raise VadParamError(str(exc).replace(exc.param, f"{param}.{exc.param}", 1), f"{param}.{exc.param}") from exc
+
+
+def _check(name: str, value: Any, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise VadParamError(f"{name} must be a number in [{low:g}, {high:g}], got {value!r}", name)
+
+
+@dataclass(frozen=True)
+class VadEvent:
+    """A change of state at `sample` (16-kHz samples since the stream started)."""
+
+    kind: str  # "start" | "stop"
+    sample: int
+
+
+class SileroVad:
+    """The loaded Silero model; thread-safe (each use keeps its own state)."""
+
+    def __init__(self) -> None:
+        self._model: Any = None
+        self._lock = threading.Lock()
+
+    def load(self) -> SileroVad:
+        """Load the model now (else on first use)."""
+        with self._lock:
+            if self._model is None:
+                from silero_vad import load_silero_vad
+
+                with warnings.catch_warnings():  # its use of importlib.resources.path, deprecated
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    self._model = load_silero_vad(onnx=True)
+        return self
+
+    def _fresh(self) -> Any:
+        """A model wrapper of its own: the shared ONNX session, a new recurrent state."""
+        model = copy.copy(self.load()._model)
+        model.reset_states()
+        return model
+
+    def regions(self, audio: np.ndarray, params: VadParams, max_seconds: float = float("inf")) -> list[tuple[int, int]]:
+        """The speech of 16-kHz mono `audio` as [start, end) sample ranges, each padded by `prefix_padding_ms`
+        on both sides and at most `max_seconds` long with its padding (a longer stretch is cut at its longest
+        pause). Blocking (~2.5 ms per second of audio): run it off the event loop."""
+        from silero_vad import get_speech_timestamps
+
+        if audio.size == 0:
+            return []
+        found = get_speech_timestamps(
+            audio,
+            self._fresh(),
+            threshold=params.threshold,
+            sampling_rate=SAMPLE_RATE,
+            min_speech_duration_ms=params.min_speech_duration_ms,
+            min_silence_duration_ms=params.silence_duration_ms,
+            speech_pad_ms=params.prefix_padding_ms,
+            max_speech_duration_s=max_seconds,
+        )
+        return [(int(r["start"]), min(int(r["end"]), audio.size)) for r in found]
+
+    def stream(self, params: VadParams) -> SpeechStream:
+        return SpeechStream(self, params)
+
+
+class SpeechStream:
+    """Turn detection over a live stream: feed 16-kHz audio in chunks of any size, get speech starts and stops.
+
+    A start is reported once the speech has lasted `min_speech_duration_ms` (at the frame where it began); a stop when
+    `silence_duration_ms` of silence followed it (at the frame where the silence began). Padding is the
+    caller's: `prefix_padding_ms` is in `params` for it."""
+
+    def __init__(self, vad: SileroVad, params: VadParams) -> None:
+        from silero_vad import VADIterator
+
+        self.params = params
+        self._iterator = VADIterator(
+            vad._fresh(),
+            threshold=params.threshold,
+            sampling_rate=SAMPLE_RATE,
+            min_silence_duration_ms=params.silence_duration_ms,
+            speech_pad_ms=0,
+        )
+        self._rest = np.zeros(0, dtype=np.float32)
+        self._position = 0  # samples consumed into whole frames
+        self._pending: int | None = None  # a start not yet long enough to report
+        self.speaking = False
+
+    def feed(self, audio: np.ndarray) -> list[VadEvent]:
+        data = np.concatenate([self._rest, audio.astype(np.float32, copy=False)])
+        n = data.size // WINDOW
+        self._rest = data[n * WINDOW :]
+        events: list[VadEvent] = []
+        min_speech = self.params.min_speech_duration_ms * SAMPLE_RATE // 1000
+        for frame in data[: n * WINDOW].reshape(n, WINDOW):
+            self._position += WINDOW
+            change = self._iterator(frame)
+            if change is not None and "start" in change:
+                self._pending = int(change["start"])
+            elif change is not None and "end" in change:
+                if self.speaking:
+                    events.append(VadEvent("stop", max(int(change["end"]), 0)))
+                self._pending, self.speaking = None, False
+            if self._pending is not None and self._position - self._pending >= min_speech:
+                events.append(VadEvent("start", self._pending))
+                self._pending, self.speaking = None, True
+        return events

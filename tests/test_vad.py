@@ -1,0 +1,141 @@
+"""Silero VAD (app/server/vad.py) on real speech, silence and noise; an upload's chunks and their timeline."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from app.server.serving.chunking import CHUNK_SECONDS, Chunk, normalized, plan
+from app.server.vad import SileroVad, VadParamError, VadParams, server_vad
+
+SR = 16000
+SPEECH = "ljspeech/LJ001-0001"  # 9.7 s of read speech
+
+
+@pytest.fixture(scope="module")
+def vad() -> SileroVad:
+    return SileroVad().load()
+
+
+def _noise(seconds: float, level: float, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(0, level, int(seconds * SR)).astype(np.float32)
+
+
+def _tones(seconds: float) -> np.ndarray:
+    """A chord of sustained tones, changing every half second: music-like, not speech."""
+    t = np.arange(int(seconds * SR)) / SR
+    notes = 220 * 2 ** (np.floor(t * 2) % 7 / 12)
+    return (0.1 * (np.sin(2 * np.pi * notes * t) + np.sin(2 * np.pi * 1.5 * notes * t))).astype(np.float32)
+
+
+def test_regions_find_the_speech_and_nothing_else(vad: SileroVad, clip: Callable[[str], np.ndarray]) -> None:
+    speech = clip(SPEECH)
+    n = speech.size
+    audio = np.concatenate([np.zeros(4 * SR, np.float32), speech, _noise(8, 0.05), speech, _tones(6)])
+    first, second = (4 * SR, 4 * SR + n), (12 * SR + n, 12 * SR + 2 * n)
+    params = VadParams(prefix_padding_ms=100)
+    regions = vad.regions(audio, params)
+    assert regions, "no speech found"
+    pad = 3 * SR // 4  # the VAD's padding and its reaction time
+    for start, end in regions:  # every region lies within one of the two copies of the speech
+        assert any(a - pad <= start and end <= b + pad for a, b in (first, second)), (start / SR, end / SR)
+    for a, b in (first, second):  # and covers most of it
+        covered = sum(min(end, b) - max(start, a) for start, end in regions if end > a and start < b)
+        assert covered > 0.8 * n
+    assert vad.regions(_noise(10, 0.05), params) == []
+    assert vad.regions(_tones(10), params) == []
+    assert vad.regions(np.zeros(10 * SR, np.float32), params) == []
+
+
+def test_regions_are_cut_at_pauses_to_fit_a_chunk(vad: SileroVad, clip: Callable[[str], np.ndarray]) -> None:
+    speech = np.concatenate([clip(SPEECH)] * 5)  # 48 s without a long pause
+    regions = vad.regions(speech, VadParams(), max_seconds=CHUNK_SECONDS)
+    assert len(regions) >= 2
+    assert all(end - start <= CHUNK_SECONDS * SR for start, end in regions)
+
+
+def test_stream_reports_turns_as_regions_do(vad: SileroVad, clip: Callable[[str], np.ndarray]) -> None:
+    speech = clip(SPEECH)
+    audio = np.concatenate([np.zeros(3 * SR, np.float32), speech, _noise(4, 0.02), speech, np.zeros(SR, np.float32)])
+    params = VadParams(silence_duration_ms=800, prefix_padding_ms=0)
+    stream = vad.stream(params)
+    events = []
+    for i in range(0, audio.size, 1234):  # chunks that are no multiple of a frame
+        events += stream.feed(audio[i : i + 1234])
+    kinds = [e.kind for e in events]
+    assert kinds == ["start", "stop"] * (len(kinds) // 2) and len(kinds) >= 4
+    assert abs(events[0].sample - 3 * SR) < 0.3 * SR
+    assert events[-1].sample <= audio.size and not stream.speaking
+    # a second stream keeps its own state: fed silence, it hears nothing while the first is mid-speech
+    first, second = vad.stream(params), vad.stream(params)
+    first.feed(audio[: 5 * SR])
+    assert first.speaking and second.feed(np.zeros(2 * SR, np.float32)) == [] and not second.speaking
+
+
+def test_params_are_openais_and_validated() -> None:
+    assert server_vad(None, "x") is None
+    p = server_vad({"type": "server_vad", "threshold": 0.7, "silence_duration_ms": 300}, "turn_detection")
+    assert p == VadParams(threshold=0.7, silence_duration_ms=300)
+    kept = server_vad({"prefix_padding_ms": 50, "create_response": True}, "t", current=p)
+    assert kept == VadParams(threshold=0.7, silence_duration_ms=300, prefix_padding_ms=50)
+    bad = [
+        ({"threshold": 1.5}, "c.threshold"),
+        ({"threshold": "high"}, "c.threshold"),
+        ({"silence_duration_ms": -1}, "c.silence_duration_ms"),
+        ({"prefix_padding_ms": True}, "c.prefix_padding_ms"),
+        ({"min_speech_duration_ms": 20000}, "c.min_speech_duration_ms"),
+        ({"type": "semantic_vad"}, "c.type"),
+        ({"eagerness": "low"}, "c.eagerness"),
+        ("auto", "c"),
+    ]
+    for raw, param in bad:
+        with pytest.raises(VadParamError) as info:
+            server_vad(raw, "c")
+        assert info.value.param == param, raw
+
+
+def test_plan_packs_whole_regions_into_chunks() -> None:
+    regions = [(0, 10 * SR), (12 * SR, 25 * SR), (40 * SR, 50 * SR), (60 * SR, 100 * SR)]
+    chunks = plan(regions)
+    assert [c.pieces for c in chunks] == [
+        ((0, 10 * SR), (12 * SR, 25 * SR)),
+        ((40 * SR, 50 * SR),),
+        ((60 * SR, 90 * SR),),
+        ((90 * SR, 100 * SR),),
+    ]
+    assert all(c.samples <= CHUNK_SECONDS * SR for c in chunks)
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 5 * SR), st.integers(1, 12 * SR)), min_size=1, max_size=8),
+    st.floats(0, 1),
+)
+def test_chunk_times_map_back_to_the_upload(gaps_and_lengths: list[tuple[int, int]], where: float) -> None:
+    pieces, position = [], 0
+    for gap, length in gaps_and_lengths:
+        pieces.append((position + gap, position + gap + length))
+        position += gap + length
+    chunk = Chunk(tuple(pieces))
+    audio = np.arange(position, dtype=np.float32)
+    concatenated = chunk.audio(audio)
+    k = min(int(where * concatenated.size), concatenated.size - 1)
+    # sample k of the chunk is sample concatenated[k] of the upload
+    assert chunk.to_original(k / SR) * SR == pytest.approx(concatenated[k], abs=1e-3)
+    # a time on a seam: an end belongs to the piece before, a start to the piece after
+    seam = (pieces[0][1] - pieces[0][0]) / SR
+    if len(pieces) > 1:
+        assert chunk.to_original(seam, is_end=True) == pytest.approx(pieces[0][1] / SR)
+        assert chunk.to_original(seam) == pytest.approx(pieces[1][0] / SR)
+
+
+def test_auto_levels_quiet_audio_for_the_vad_only_so_far(clip: Callable[[str], np.ndarray]) -> None:
+    quiet = clip(SPEECH) * 0.003  # about -60 dBFS
+    louder = normalized(quiet)
+    assert 10 < np.abs(louder).max() / np.abs(quiet).max() <= 100
+    assert np.array_equal(normalized(np.zeros(SR, np.float32)), np.zeros(SR, np.float32))
+    loud = clip(SPEECH)
+    assert np.array_equal(normalized(loud), loud)  # never turned down
