@@ -13,6 +13,7 @@ from typing import Any, get_args
 
 from app.api.formats import FORMATS
 from app.settings import DtypeName, Settings
+from app.tools.manifest import default_manifest
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -144,6 +145,16 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_audio(args: argparse.Namespace) -> int:
+    from app.tools.realaudio import run_bench_audio
+
+    report = run_bench_audio(args.manifest, args.part, args.long_minutes, args.reference, args.threads or 2)
+    print(json.dumps(report, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
 GPUBENCH_HELP = "per-step draft/verify/main costs with random large-v3 weights"
 
 
@@ -230,6 +241,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(handler=_bench)
 
     # Its own parser takes its options (main() hands them over), and `gpubench --help` lists them.
+    audio = commands.add_parser(
+        "bench-audio", help="real-world audio: made-up words on non-speech, WER on hard speech, long files"
+    )
+    audio.add_argument("--manifest", type=Path, default=default_manifest(), help="benchdata manifest.jsonl")
+    audio.add_argument("--part", choices=["conditions", "long", "all"], default="all")
+    audio.add_argument("--long-minutes", type=float, default=10.0, help="length of the long file")
+    audio.add_argument("--reference", action="store_true", help="also run openai-whisper's transcribe() (slow)")
+    audio.add_argument("--threads", type=int, help="faster-whisper's CPU threads (default 2)")
+    audio.add_argument("--json", type=Path, help="write the report here")
+    audio.set_defaults(handler=_bench_audio)
+
     gpu = commands.add_parser("gpubench", help=GPUBENCH_HELP, add_help=False)
     gpu.set_defaults(handler=_gpubench)
 

@@ -15,6 +15,7 @@ runs no model of its own, loads it; it costs ~1.7 s and ~200 MB there, paid once
 from __future__ import annotations
 
 import copy
+import os
 import threading
 import warnings
 from dataclasses import dataclass, replace
@@ -109,6 +110,9 @@ class SileroVad:
         """Load the model now (else on first use)."""
         with self._lock:
             if self._model is None:
+                # onnxruntime's official Linux builds report usage to Microsoft (and leave a `.ses` file in the
+                # temporary folder) unless this is set before it starts: a transcription server sends nothing.
+                os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
                 from silero_vad import load_silero_vad
 
                 with warnings.catch_warnings():  # its use of importlib.resources.path, deprecated

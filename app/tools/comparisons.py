@@ -8,6 +8,7 @@ so the benchmark can compare them with the engine's own modes clip by clip.
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 import tempfile
 import time
@@ -90,6 +91,22 @@ def ct2_source(model_name: str) -> tuple[list[Path], Path]:
     return found
 
 
+def load_faster_whisper(model_name: str, threads: int) -> tuple[tempfile.TemporaryDirectory[str], Any]:
+    """faster-whisper's model (fp32, CPU) on the CTranslate2 checkpoint store model `model_name` was converted
+    from, assembled in a temporary folder (kept alive by the returned handle)."""
+    os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")  # its VAD runs on onnxruntime (see app/server/vad.py)
+    from faster_whisper import WhisperModel as FWModel
+
+    parts, bundle = ct2_source(model_name)
+    handle = tempfile.TemporaryDirectory(prefix="specwhisper-ct2-")
+    folder = Path(handle.name)
+    model_file(parts, folder / "model.bin", reuse_single=False)  # CTranslate2 reads one model.bin
+    for name in ("config.json", "tokenizer.json", "vocabulary.txt", "vocabulary.json", "preprocessor_config.json"):
+        if (bundle / name).is_file():
+            shutil.copyfile(bundle / name, folder / name)
+    return handle, FWModel(str(folder), device="cpu", compute_type="float32", cpu_threads=threads, num_workers=1)
+
+
 class FasterWhisper:
     """faster-whisper (CTranslate2) on the CTranslate2 checkpoint the engine's weights were converted
     from, computing in fp32, greedy, without timestamps (optional dependency `faster-whisper`)."""
@@ -97,16 +114,7 @@ class FasterWhisper:
     name = "faster_whisper"
 
     def __init__(self, main: WhisperModel, threads: int) -> None:
-        from faster_whisper import WhisperModel as FWModel
-
-        parts, bundle = ct2_source(main.name)
-        self._dir = tempfile.TemporaryDirectory(prefix="specwhisper-ct2-")
-        folder = Path(self._dir.name)
-        model_file(parts, folder / "model.bin", reuse_single=False)  # CTranslate2 reads one model.bin
-        for name in ("config.json", "tokenizer.json", "vocabulary.txt", "vocabulary.json", "preprocessor_config.json"):
-            if (bundle / name).is_file():
-                shutil.copyfile(bundle / name, folder / name)
-        self.model = FWModel(str(folder), device="cpu", compute_type="float32", cpu_threads=threads, num_workers=1)
+        self._dir, self.model = load_faster_whisper(main.name, threads)
         self.tokenizer = main.tokenizer
 
     def run(self, audio: np.ndarray, language: str) -> RunResult:
