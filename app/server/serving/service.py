@@ -31,8 +31,12 @@ from app.server.worker.supervisor import NoUsableModel, WorkerUnavailable
 from app.settings import Settings
 
 NON_AUDIO_TYPES = ("text/", "image/", "application/json", "application/xml", "application/pdf")
-# An upload's VAD by default: OpenAI's `server_vad` defaults for chunking (a 200-ms pause ends speech).
+# A `server_vad` object's defaults: OpenAI's for chunking (a 200-ms pause ends speech).
 UPLOAD_VAD = VadParams(threshold=0.5, prefix_padding_ms=300, silence_duration_ms=200)
+# "auto": only pauses of 2 s or more are left out, with 400 ms kept on each side (faster-whisper's VAD defaults).
+# On `bench-audio`'s 10-minute file it kept WER at the sequential long-form's (0.173 against 0.176, where
+# 200/300 gave 0.191), for 1.2x the speed of sequential instead of 1.4x.
+AUTO_VAD = VadParams(threshold=0.5, prefix_padding_ms=400, silence_duration_ms=2000)
 
 
 @dataclass(frozen=True)
@@ -173,7 +177,7 @@ class TranscriptionService:
                     f"chunking_strategy is not valid JSON: {exc}", param="chunking_strategy"
                 ) from exc
         if raw == "auto":
-            return Chunking(UPLOAD_VAD, normalize=True)
+            return Chunking(AUTO_VAD, normalize=True)
         if raw == "none":
             return None
         if not isinstance(raw, dict):
