@@ -147,6 +147,7 @@ def test_the_forms_of_chunking_strategy(
         ({"chunking_strategy": "sometimes"}, "chunking_strategy"),
         ({"chunking_strategy": "{not json"}, "chunking_strategy"),
         ({"chunking_strategy": "auto", "chunking_strategy[type]": "server_vad"}, "chunking_strategy"),
+        ({"chunking_strategy": "auto", "clip_timestamps": "0,5"}, "clip_timestamps"),
     ]
     for fields, param in cases:
         response = httpx.post(url, data={"model": "whisper-1", **fields}, files=files, timeout=60)

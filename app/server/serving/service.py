@@ -11,8 +11,8 @@ import json
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -176,10 +176,14 @@ class TranscriptionService:
                 raise errors.bad_request(
                     f"chunking_strategy is not valid JSON: {exc}", param="chunking_strategy"
                 ) from exc
-        if raw == "auto":
-            return Chunking(AUTO_VAD, normalize=True)
         if raw == "none":
             return None
+        if "clip_timestamps" in req.long_form:  # times of the upload, which chunks do not keep
+            raise errors.bad_request(
+                "clip_timestamps cannot be combined with chunking_strategy", param="clip_timestamps"
+            )
+        if raw == "auto":
+            return Chunking(AUTO_VAD, normalize=True)
         if not isinstance(raw, dict):
             raise errors.bad_request(
                 "chunking_strategy must be 'auto', 'none' or a server_vad object", param="chunking_strategy"
@@ -318,7 +322,8 @@ class TranscriptionService:
         request_id = request_id or uuid.uuid4().hex
         if chunking is not None:
             chunks = await self._chunks(audio, chunking)
-            parts = [t async for t in self._chunk_results(request_id, audio, options, chunks)]
+            async with aclosing(self._chunk_results(request_id, audio, options, chunks)) as results:
+                parts = [t async for t in results]
             queue_ms = parts[0][1] if parts else 0.0
             transcription = merge(chunks, [t for t, _ in parts], audio.size / SAMPLE_RATE, options.language)
         else:
@@ -334,7 +339,7 @@ class TranscriptionService:
 
     async def _chunk_results(
         self, request_id: str, audio: np.ndarray, options: DecodingOptions, chunks: Sequence[Chunk]
-    ) -> AsyncIterator[tuple[Transcription, float]]:
+    ) -> AsyncGenerator[tuple[Transcription, float], None]:
         """Each chunk's transcription and queue time, in order. At most `max_batch` chunks of a request are
         queued at once: they fill a batch together, and other requests' jobs take turns with them."""
         queued: deque[asyncio.Future[tuple[Transcription, float]]] = deque()
@@ -349,9 +354,11 @@ class TranscriptionService:
                 if not queued:
                     return
                 yield await queued.popleft()
-        finally:
+        finally:  # the client went away, or a chunk failed: drop the rest
             for future in queued:
                 future.cancel()
+                if future.done() and not future.cancelled():
+                    future.exception()  # retrieved: its error is the one already raised, or moot
 
     async def transcribe_stream(
         self, req: TranscriptionRequest, request_id: str | None = None
@@ -382,11 +389,14 @@ class TranscriptionService:
         parts: list[tuple[Transcription, float]] = []
         sent = False
         try:
-            async for part in self._chunk_results(request_id, audio, options, chunks):
-                parts.append(part)
-                if part[0].text:
-                    yield {"type": "transcript.text.delta", "delta": (" " if sent else "") + part[0].text}
-                    sent = True
+            async with aclosing(self._chunk_results(request_id, audio, options, chunks)) as results:
+                async for part in results:
+                    parts.append(part)
+                    text = "".join(s.text for s in part[0].segments)  # as `merge` joins them
+                    delta = text if sent else text.lstrip()
+                    if delta.strip():
+                        yield {"type": "transcript.text.delta", "delta": delta}
+                        sent = True
         except errors.ApiError as exc:
             yield {"type": "error", **exc.body()}
             return
