@@ -47,6 +47,11 @@ def _label(value: str | int | bool | None) -> str:
     return str(value)
 
 
+def _report_vad_failure(task: asyncio.Future[SileroVad]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the VAD (silero-vad) could not be loaded: %s", task.exception())
+
+
 def _error_response(err: errors.ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=dict(err.headers))
 
@@ -87,10 +92,14 @@ def create_app(settings: Settings | None = None, *, on_fatal: Callable[[str], No
         app.state.status = ServerStatus(worker, batcher, metrics, service)
         worker.start()
         batcher.start()
-        await asyncio.to_thread(vad.load)  # while the worker loads its models
+        # While the worker loads its models (readiness waits for both); the server answers meanwhile.
+        vad_loading = asyncio.ensure_future(asyncio.to_thread(vad.load))
+        vad_loading.add_done_callback(_report_vad_failure)
         try:
             yield
         finally:
+            if not vad_loading.done():
+                vad_loading.cancel()
             log.info("shutting down: draining in-flight work (up to %.0f s)", settings.shutdown_timeout_s)
             await batcher.drain(settings.shutdown_timeout_s)
             await worker.stop()

@@ -106,8 +106,12 @@ class SileroVad:
         self._model: Any = None
         self._lock = threading.Lock()
 
+    @property
+    def loaded(self) -> bool:
+        return self._model is not None
+
     def load(self) -> SileroVad:
-        """Load the model now (else on first use)."""
+        """Load the model now (else on first use, which then waits for it)."""
         with self._lock:
             if self._model is None:
                 # onnxruntime's official Linux builds report usage to Microsoft (and leave a `.ses` file in the

@@ -41,7 +41,7 @@ class Chunk:
         """Seconds into the chunk -> seconds into the upload. A time on a seam between two pieces belongs
         to the piece it ends (`is_end`) or starts."""
         starts = np.cumsum([0] + [end - start for start, end in self.pieces[:-1]]).tolist()
-        sample = t * SAMPLE_RATE
+        sample = round(t * SAMPLE_RATE, 6)  # a time on a seam stays on it, whatever its float's last bits
         k = (bisect.bisect_left if is_end else bisect.bisect_right)(starts, sample) - 1
         k = min(max(k, 0), len(self.pieces) - 1)
         return (self.pieces[k][0] + sample - starts[k]) / SAMPLE_RATE

@@ -24,10 +24,11 @@ class ServerStatus:
         self.service = service
 
     def readiness(self) -> tuple[dict[str, Any], bool]:
-        """The body of `/health/ready` and whether the worker is ready to serve."""
+        """The body of `/health/ready` and whether the server is ready to serve (the worker, and the VAD)."""
         worker, ready = self.worker, self.worker.ready
+        is_ready = worker.is_ready and self.service.vad.loaded
         body: dict[str, Any] = {
-            "ready": worker.is_ready,
+            "ready": is_ready,
             "model": ready.model if ready else None,
             "assistant": ready.assistant if ready else None,
             "engine": ready.engine if ready else None,
@@ -37,7 +38,9 @@ class ServerStatus:
         }
         if worker.failure is not None:
             body["error"] = worker.failure
-        return body, worker.is_ready
+        if not self.service.vad.loaded:
+            body["vad"] = "loading"
+        return body, is_ready
 
     def exposition(self) -> bytes:
         """The Prometheus text exposition, with the queue and worker gauges read now."""
