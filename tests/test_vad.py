@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from app.api.types import InvalidRequestError
 from app.server.serving.chunking import CHUNK_SECONDS, Chunk, normalized, plan
-from app.server.vad import SileroVad, VadParamError, VadParams, server_vad
+from app.server.vad import SileroVad, VadParams, server_vad
 
 SR = 16000
 SPEECH = "ljspeech/LJ001-0001"  # 9.7 s of read speech
@@ -93,7 +94,7 @@ def test_params_are_openais_and_validated() -> None:
         ("auto", "c"),
     ]
     for raw, param in bad:
-        with pytest.raises(VadParamError) as info:
+        with pytest.raises(InvalidRequestError) as info:
             server_vad(raw, "c")
         assert info.value.param == param, raw
 

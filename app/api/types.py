@@ -30,7 +30,11 @@ FALLBACK_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 
 
 class InvalidRequestError(ValueError):
-    """The request's options or audio cannot be served by this engine."""
+    """The request's options or audio cannot be served; `param` names the field at fault, where one is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -72,14 +76,15 @@ class DecodingOptions:
         clips = self.clip_timestamps
         if any(not 0 <= t < 1e7 for t in clips) or any(a > b for a, b in itertools.pairwise(clips)):
             raise InvalidRequestError(
-                "clip_timestamps must be non-decreasing non-negative seconds: start,end,start,end,..."
+                "clip_timestamps must be non-decreasing non-negative seconds: start,end,start,end,...",
+                "clip_timestamps",
             )
         for name in ("compression_ratio_threshold", "no_speech_threshold", "hallucination_silence_threshold"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < 1e6:
-                raise InvalidRequestError(f"{name} must be a non-negative number")
+                raise InvalidRequestError(f"{name} must be a non-negative number", name)
         if self.logprob_threshold is not None and not -1e6 < self.logprob_threshold <= 0:
-            raise InvalidRequestError("logprob_threshold must be a log-probability (at most 0)")
+            raise InvalidRequestError("logprob_threshold must be a log-probability (at most 0)", "logprob_threshold")
 
     @property
     def temperatures(self) -> tuple[float, ...]:

@@ -25,13 +25,13 @@ import torch
 
 from app.api.audio import SAMPLE_RATE
 from app.api.types import DecodingOptions, Metrics, Segment, Transcription, Word
-from app.engine.alignment import WordTiming, merge_punctuation
+from app.engine.alignment import APPEND_PUNCTUATION, PREPEND_PUNCTUATION, WordTiming, merge_punctuation
 from app.engine.generate import Decoded, RowStats
 from app.model.features import FRAMES_PER_SECOND, INPUT_STRIDE, N_FRAMES, N_SAMPLES, TIME_PRECISION, log_mel, window
 from app.model.tokenizer import WhisperTokenizer
 
 SAMPLE_LEN = 224  # new tokens per window (OpenAI: n_text_ctx // 2)
-PUNCTUATION = "\"'“¿([{-\"'.。,，!！?？:：”)]}、"  # not words, for the hallucination check
+PUNCTUATION = PREPEND_PUNCTUATION + APPEND_PUNCTUATION  # not words, for the hallucination check (as OpenAI's)
 SENTENCE_ENDS = ".。!！?？"
 
 
@@ -193,10 +193,14 @@ class LongFormJob:
             and (ignore_logprob or not (opts.logprob_threshold is not None and d.avg_logprob > opts.logprob_threshold))
         )
 
+    def _compression_ratio(self, d: Decoded) -> float:
+        """Of a decoded window's whole text, as OpenAI's decoder reports it."""
+        return compression_ratio(self.tokenizer.decode(d.tokens).strip())
+
     def needs_fallback(self, d: Decoded) -> bool:
         """Whether a window decoded at one temperature should be decoded again at the next one."""
         opts = self.options
-        ratio = compression_ratio(self.tokenizer.decode(d.tokens).strip())
+        ratio = self._compression_ratio(d)
         repetitive = opts.compression_ratio_threshold is not None and ratio > opts.compression_ratio_threshold
         low_logprob = opts.logprob_threshold is not None and d.avg_logprob < opts.logprob_threshold
         return (repetitive or low_logprob) and not (self._silent(d, ignore_logprob=True) and low_logprob)
@@ -363,7 +367,7 @@ class LongFormJob:
         conditioned on, and move to where the next window starts. Returns the index of the first segment it
         added (the length of `segments` when it added none)."""
         d = window.decoded
-        ratio = compression_ratio(self.tokenizer.decode(d.tokens).strip())  # of the whole window, as OpenAI's
+        ratio = self._compression_ratio(d)
         first_new = len(self.segments)
         end = self.duration
         for s in window.segments:

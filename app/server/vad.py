@@ -24,16 +24,9 @@ from typing import Any
 import numpy as np
 
 from app.api.audio import SAMPLE_RATE
+from app.api.types import InvalidRequestError
 
 WINDOW = 512  # samples per Silero frame at 16 kHz (32 ms)
-
-
-class VadParamError(ValueError):
-    """A VAD parameter out of range; `param` names it."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -68,27 +61,28 @@ IGNORED = ("create_response", "interrupt_response", "idle_timeout_ms")
 def server_vad(raw: Any, param: str, current: VadParams | None = None) -> VadParams | None:
     """VAD parameters from an API object `{"type": "server_vad", "threshold": ..., ...}` (a realtime
     `turn_detection` or an upload's `chunking_strategy`), the fields it leaves out as in `current` (default:
-    the defaults); None for null. Raises VadParamError naming the field as `param`.<field>."""
+    the defaults); None for null. Raises InvalidRequestError naming the field as `param`.<field>."""
     if raw is None:
         return None
     if not isinstance(raw, dict):
-        raise VadParamError(f"{param} must be an object or null", param)
+        raise InvalidRequestError(f"{param} must be an object or null", param)
     kind = raw.get("type", "server_vad")
     if kind != "server_vad":
-        raise VadParamError(f"{param}.type {kind!r} is not supported; use 'server_vad'", f"{param}.type")
+        raise InvalidRequestError(f"{param}.type {kind!r} is not supported; use 'server_vad'", f"{param}.type")
     unknown = sorted(set(raw) - {"type", *PARAMS, *IGNORED})
     if unknown:
-        raise VadParamError(f"unknown parameter {param}.{unknown[0]}", f"{param}.{unknown[0]}")
+        raise InvalidRequestError(f"unknown parameter {param}.{unknown[0]}", f"{param}.{unknown[0]}")
     given = {key: raw[key] for key in PARAMS if raw.get(key) is not None}
     try:
         return replace(current or VadParams(), **given)
-    except VadParamError as exc:
-        raise VadParamError(str(exc).replace(exc.param, f"{param}.{exc.param}", 1), f"{param}.{exc.param}") from exc
+    except InvalidRequestError as exc:
+        field = f"{param}.{exc.param}"
+        raise InvalidRequestError(str(exc).replace(str(exc.param), field, 1), field) from exc
 
 
 def _check(name: str, value: Any, low: float, high: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise VadParamError(f"{name} must be a number in [{low:g}, {high:g}], got {value!r}", name)
+        raise InvalidRequestError(f"{name} must be a number in [{low:g}, {high:g}], got {value!r}", name)
 
 
 @dataclass(frozen=True)

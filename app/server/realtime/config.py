@@ -14,17 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from app.server.vad import VadParamError, VadParams, server_vad
+from app.api.types import InvalidRequestError
+from app.server.vad import VadParams, server_vad
 
 SAMPLE_RATES = (16000, 24000)
-
-
-class ConfigError(ValueError):
-    """An invalid session update; `param` names the offending field."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -66,15 +59,8 @@ def _vad_out(vad: VadParams | None) -> dict[str, Any] | None:
 
 def _obj(value: Any, param: str) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise ConfigError(f"{param} must be an object", param)
+        raise InvalidRequestError(f"{param} must be an object", param)
     return value
-
-
-def _turn_detection(current: VadParams | None, raw: Any, param: str) -> VadParams | None:
-    try:
-        return server_vad(raw, param, current)
-    except VadParamError as exc:
-        raise ConfigError(str(exc), exc.param) from exc
 
 
 def _transcription(config: SessionConfig, raw: Any, param: str) -> SessionConfig:
@@ -83,7 +69,7 @@ def _transcription(config: SessionConfig, raw: Any, param: str) -> SessionConfig
     raw = _obj(raw, param)
     for key in ("model", "language", "prompt"):
         if key in raw and raw[key] is not None and not isinstance(raw[key], str):
-            raise ConfigError(f"{param}.{key} must be a string", f"{param}.{key}")
+            raise InvalidRequestError(f"{param}.{key} must be a string", f"{param}.{key}")
     return replace(
         config,
         model=raw.get("model") or config.model,
@@ -93,7 +79,8 @@ def _transcription(config: SessionConfig, raw: Any, param: str) -> SessionConfig
 
 
 def apply_update(config: SessionConfig, session: Any) -> SessionConfig:
-    """The config after a `transcription_session.update` or `session.update`; raises ConfigError."""
+    """The config after a `transcription_session.update` or `session.update`; InvalidRequestError (naming the
+    field) if it is invalid."""
     session = _obj(session, "session")
     audio = session.get("audio")
     if audio is not None:  # GA shape
@@ -102,26 +89,28 @@ def apply_update(config: SessionConfig, session: Any) -> SessionConfig:
         if fmt is not None:
             fmt = _obj(fmt, "session.audio.input.format")
             if fmt.get("type", "audio/pcm") != "audio/pcm":
-                raise ConfigError("only audio/pcm input is supported", "session.audio.input.format.type")
+                raise InvalidRequestError("only audio/pcm input is supported", "session.audio.input.format.type")
             config = _rate(config, fmt.get("rate", 24000), "session.audio.input.format.rate")
         config = _transcription(config, inp.get("transcription"), "session.audio.input.transcription")
         if "turn_detection" in inp:
             config = replace(
-                config, vad=_turn_detection(config.vad, inp["turn_detection"], "session.audio.input.turn_detection")
+                config, vad=server_vad(inp["turn_detection"], "session.audio.input.turn_detection", config.vad)
             )
         return config
     fmt = session.get("input_audio_format")
     if fmt is not None and fmt != "pcm16":
-        raise ConfigError(f"input_audio_format {fmt!r} is not supported; use 'pcm16'", "session.input_audio_format")
+        raise InvalidRequestError(
+            f"input_audio_format {fmt!r} is not supported; use 'pcm16'", "session.input_audio_format"
+        )
     if "input_audio_sample_rate" in session:
         config = _rate(config, session["input_audio_sample_rate"], "session.input_audio_sample_rate")
     config = _transcription(config, session.get("input_audio_transcription"), "session.input_audio_transcription")
     if "turn_detection" in session:
-        config = replace(config, vad=_turn_detection(config.vad, session["turn_detection"], "session.turn_detection"))
+        config = replace(config, vad=server_vad(session["turn_detection"], "session.turn_detection", config.vad))
     return config
 
 
 def _rate(config: SessionConfig, rate: Any, param: str) -> SessionConfig:
     if rate not in SAMPLE_RATES or isinstance(rate, bool):
-        raise ConfigError(f"sample rate must be one of {SAMPLE_RATES}", param)
+        raise InvalidRequestError(f"sample rate must be one of {SAMPLE_RATES}", param)
     return replace(config, sample_rate=int(rate))

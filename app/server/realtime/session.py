@@ -30,8 +30,8 @@ import soxr
 
 from app.api import errors
 from app.api.audio import SAMPLE_RATE
-from app.api.types import DecodingOptions
-from app.server.realtime.config import ConfigError, SessionConfig, apply_update
+from app.api.types import DecodingOptions, InvalidRequestError
+from app.server.realtime.config import SessionConfig, apply_update
 from app.server.serving.service import TranscriptionService
 from app.server.vad import SpeechStream
 from app.settings import Settings
@@ -200,7 +200,7 @@ class RealtimeSession:
         try:
             config = apply_update(self.config, event.get("session", {}))
             self.service.live_options(config.model, config.language, config.prompt)
-        except ConfigError as exc:
+        except InvalidRequestError as exc:
             self.error(str(exc), "invalid_value", exc.param, event_id)
             return
         except errors.ApiError as exc:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from app.api.audio import SAMPLE_RATE
-from app.api.types import Metrics, Segment, Transcription, Word
+from app.api.types import Metrics, Segment, Transcription
 
 CHUNK_SECONDS = 30.0
 TARGET_LEVEL = 0.1  # "auto": loud frames are brought to about -20 dBFS before the VAD listens
@@ -82,10 +82,11 @@ def normalized(audio: np.ndarray) -> np.ndarray:
     return audio if gain == 1.0 else np.clip(audio * gain, -1.0, 1.0).astype(np.float32)
 
 
-def _word(w: Word, chunk: Chunk, duration: float) -> Word:
-    start = min(chunk.to_original(w.start), duration)
-    end = min(max(chunk.to_original(w.end, is_end=True), start), duration)
-    return replace(w, start=round(start, 3), end=round(end, 3))
+def _span(chunk: Chunk, start: float, end: float, duration: float) -> tuple[float, float]:
+    """A segment's or word's times in the chunk as times in the upload, within its `duration` (s)."""
+    first = min(chunk.to_original(start), duration)
+    last = min(max(chunk.to_original(end, is_end=True), first), duration)
+    return round(first, 3), round(last, 3)
 
 
 def _segments(chunks: Sequence[Chunk], parts: Sequence[Transcription], duration: float) -> list[Segment]:
@@ -93,12 +94,12 @@ def _segments(chunks: Sequence[Chunk], parts: Sequence[Transcription], duration:
     for chunk, part in zip(chunks, parts, strict=True):
         seek = round(chunk.pieces[0][0] / SAMPLE_RATE * 100)  # mel frames (10 ms) into the upload
         for s in part.segments:
-            start = min(chunk.to_original(s.start), duration)
-            end = min(max(chunk.to_original(s.end, is_end=True), start), duration)
-            words = [_word(w, chunk, duration) for w in s.words]
-            segments.append(
-                replace(s, id=len(segments), seek=seek, start=round(start, 3), end=round(end, 3), words=words)
-            )
+            words = []
+            for w in s.words:
+                start, end = _span(chunk, w.start, w.end, duration)
+                words.append(replace(w, start=start, end=end))
+            start, end = _span(chunk, s.start, s.end, duration)
+            segments.append(replace(s, id=len(segments), seek=seek, start=start, end=end, words=words))
     return segments
 
 

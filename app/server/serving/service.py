@@ -24,7 +24,7 @@ from app.api.formats import FORMATS, to_srt, to_verbose_json, to_vtt
 from app.api.types import FALLBACK_TEMPERATURES, DecodingOptions, InvalidRequestError, Transcription
 from app.server.metrics import ServerMetrics
 from app.server.serving.chunking import CHUNK_SECONDS, Chunk, merge, normalized, plan
-from app.server.vad import SileroVad, VadParamError, VadParams, server_vad
+from app.server.vad import SileroVad, VadParams, server_vad
 from app.server.worker.batcher import Batcher, Lane, Pending, QueueFull, ShuttingDown
 from app.server.worker.protocol import Job
 from app.server.worker.supervisor import NoUsableModel, WorkerUnavailable
@@ -114,11 +114,6 @@ def _long_form(raw: dict[str, str]) -> dict[str, Any]:
     return out
 
 
-def _param_of(message: str) -> str | None:
-    """The option an engine validation message is about (it starts with the option's name)."""
-    return next((name for name in LONG_FORM_FIELDS if message.startswith(name)), None)
-
-
 class TooManySessions(Exception):
     """`realtime_max_sessions` live sessions are open already."""
 
@@ -164,7 +159,7 @@ class TranscriptionService:
         try:
             return replace(options, temperature=ladder, **_long_form(req.long_form))
         except InvalidRequestError as exc:
-            raise errors.bad_request(str(exc), param=_param_of(str(exc))) from exc
+            raise errors.bad_request(str(exc), param=exc.param) from exc
 
     def _chunking(self, req: TranscriptionRequest) -> Chunking | None:
         """The request's `chunking_strategy` (else the operator's default); ApiError if it is invalid."""
@@ -190,7 +185,7 @@ class TranscriptionService:
             )
         try:
             params = server_vad(raw, "chunking_strategy", UPLOAD_VAD)
-        except VadParamError as exc:
+        except InvalidRequestError as exc:
             raise errors.bad_request(str(exc), param=exc.param) from exc
         assert params is not None
         return Chunking(params, normalize=False)
