@@ -148,7 +148,9 @@ def _bench(args: argparse.Namespace) -> int:
 def _bench_audio(args: argparse.Namespace) -> int:
     from app.tools.realaudio import run_bench_audio
 
-    report = run_bench_audio(args.manifest, args.part, args.long_minutes, args.reference, args.threads or 2)
+    report = run_bench_audio(
+        args.manifest, args.part, args.long_minutes, args.reference, args.threads or 2, clips=args.clips
+    )
     print(json.dumps(report, indent=2))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
@@ -247,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     audio.add_argument("--manifest", type=Path, default=default_manifest(), help="benchdata manifest.jsonl")
     audio.add_argument("--part", choices=["conditions", "long", "all"], default="all")
     audio.add_argument("--long-minutes", type=float, default=10.0, help="length of the long file")
+    audio.add_argument(
+        "--clips", type=int, default=24, help="English short clips in each speech condition (24: ~2.7 min, ~400 words)"
+    )
     audio.add_argument("--reference", action="store_true", help="also run openai-whisper's transcribe() (slow)")
     audio.add_argument("--threads", type=int, help="faster-whisper's CPU threads (default 2)")
     audio.add_argument("--json", type=Path, help="write the report here")

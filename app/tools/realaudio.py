@@ -210,7 +210,9 @@ def run_long(ours: Ours, fw: Any, clips: list[ManifestClip], minutes: float, run
     return report
 
 
-def run_bench_audio(manifest: Path, part: str, minutes: float, with_reference: bool, threads: int) -> dict[str, Any]:
+def run_bench_audio(
+    manifest: Path, part: str, minutes: float, with_reference: bool, threads: int, clips: int = 24
+) -> dict[str, Any]:
     entries = read_manifest(manifest)
     english = [c for c in entries if c.language == "en" and c.subset == "short"]
     server = ServerProcess({"SPECWHISPER_SPECULATION": "always"}).start()
@@ -228,7 +230,7 @@ def run_bench_audio(manifest: Path, part: str, minutes: float, with_reference: b
                 from app.tools.reference import load_reference
 
                 reference = load_reference(ModelStore(Settings().models_dir).path("whisper-base"))
-            report["conditions"] = run_conditions(ours, fw, reference, english[:8])
+            report["conditions"] = run_conditions(ours, fw, reference, english[:clips])
         if part in ("long", "all"):
             report["long"] = run_long(ours, fw, english, minutes)
         return report
