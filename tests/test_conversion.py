@@ -95,6 +95,10 @@ def test_convert_ct2_directory_then_transcribe_jfk(tmp_path: Path, benchdata: Pa
     assert out.returncode == 0, out.stderr
     assert "converting" in out.stderr  # tqdm progress bar
     assert (store / "tiny-en-test" / "model.safetensors").is_file()
+    # Readable by all, as the store's folders are: an image's server user is not the user that converted.
+    assert {f.name: oct(f.stat().st_mode & 0o777) for f in (store / "tiny-en-test").iterdir()} == {
+        f.name: "0o644" for f in (store / "tiny-en-test").iterdir()
+    }
     out = run_app(
         "transcribe",
         str(benchdata / "audio/whisper/jfk.wav"),

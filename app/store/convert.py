@@ -126,6 +126,8 @@ def convert_ct2(
         shutil.copyfile(bundle_dir / "tokenizer.json", staging / "tokenizer.json")
         (staging / "SOURCE").write_text("\n".join(str(p) for p in parts) + "\n")
         (staging / SOURCE_STAMP).write_text(stamp)
+        for written in staging.iterdir():  # safetensors writes its file owner-only: a store others serve from
+            written.chmod(0o644)  # (a server running as another user, an image's models) must read it
         if destination.exists():
             shutil.rmtree(destination)
         os.replace(staging, destination)
