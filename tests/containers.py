@@ -202,6 +202,14 @@ class Deployment:
             if r["pxname"] == "specwhisper" and r["svname"].startswith("cpu") and r.get("addr")
         }
 
+    def lb_retries(self) -> tuple[int, int]:
+        """The load balancer's retries and redispatches to another replica so far (its backend's counters)."""
+        text = httpx.get(f"http://127.0.0.1:{self.stats_port}/stats;csv", timeout=5).text.lstrip("# ")
+        row = next(
+            r for r in csv.DictReader(io.StringIO(text)) if r["pxname"] == "specwhisper" and r["svname"] == "BACKEND"
+        )
+        return int(row["wretr"] or 0), int(row["wredis"] or 0)
+
     def lb_servers(self) -> dict[str, str]:
         """Replica address -> the load balancer's state of it (UP, DOWN, ...)."""
         return {address: row["status"].split()[0] for address, row in self.lb_rows().items()}

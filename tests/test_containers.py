@@ -83,8 +83,10 @@ def deployment(docker: DockerHost, images: dict[str, str]) -> Iterator[Deploymen
     }
     dep = Deployment(docker, f"swtest{uuid.uuid4().hex[:6]}", env)
     try:
+        started = time.monotonic()
         dep.up(replicas=2)
         dep.wait_serving(2)
+        print(f"compose up: 2 replicas ready behind the load balancer in {time.monotonic() - started:.1f} s")
         yield dep
     finally:
         dep.down()
@@ -266,11 +268,13 @@ def test_killed_replica_loses_nothing_and_comes_back(
 ) -> None:
     victim, other = deployment.containers()
     restarts = deployment.inspect(victim)["RestartCount"]
+    retried = deployment.lb_retries()
     load = _load(deployment, encode(audio["ljspeech/LJ001-0001"], "wav"), count=24, workers=4)
     deployment.wait_for("the victim busy", lambda: served(deployment, victim) >= 1, timeout=120)
     # What a crash or the OOM killer does: SIGKILL to the container's init, from outside. (`docker kill` would
     # count as stopping it by hand, and Docker's restart policy leaves such a container down.)
     os.kill(deployment.inspect(victim)["State"]["Pid"], signal.SIGKILL)
+    killed = time.monotonic()
     responses = load.result(timeout=600)
     assert [r.status_code for r in responses] == [200] * 24, [r.text[:200] for r in responses if r.status_code != 200]
     for r in responses:
@@ -285,6 +289,11 @@ def test_killed_replica_loses_nothing_and_comes_back(
         timeout=300,
     )
     deployment.wait_serving(2)
+    retries, redispatches = (now - then for now, then in zip(deployment.lb_retries(), retried, strict=True))
+    print(
+        f"replica killed under load: 24 of 24 uploads answered 200 ({retries} retries, {redispatches} "
+        f"redispatched); back and serving {time.monotonic() - killed:.1f} s after the kill"
+    )
     for _ in range(6):
         r = transcribe(deployment.url, *encode(audio["pocketsphinx/goforward"], "wav"))
         assert r.status_code == 200
@@ -304,10 +313,14 @@ def test_stopped_replica_drains_its_work(
     # In flight on it, as the load balancer counts them (uploads are sent on once whole).
     busy = lambda: int(deployment.lb_rows()[address]["scur"]) >= 2  # noqa: E731
     deployment.wait_for("the replica working on uploads", busy, timeout=60)
+    in_flight = int(deployment.lb_rows()[address]["scur"])
+    began = time.monotonic()
     stopped = subprocess.Popen([deployment.docker.cli, "stop", "-t", "90", victim], stdout=subprocess.DEVNULL)
     responses = load.result(timeout=600)
     assert stopped.wait(120) == 0
+    took = time.monotonic() - began
     assert [r.status_code for r in responses] == [200] * 6, [r.text[:300] for r in responses if r.status_code != 200]
+    print(f"replica stopped with {in_flight} requests in flight: all 6 answered 200, the stop took {took:.1f} s")
     for r in responses:
         wer = error_rate([(reference, r.json()["text"], "en")])
         assert wer <= 0.25, r.json()["text"]
@@ -325,8 +338,10 @@ def test_stopped_replica_drains_its_work(
 
 
 def test_scale_to_three_and_back(deployment: Deployment, audio: dict[str, np.ndarray]) -> None:
+    began = time.monotonic()
     deployment.up(replicas=3)
     three = deployment.wait_serving(3)
+    print(f"scaled to 3: the third replica serving after {time.monotonic() - began:.1f} s")
     before = {c: served(deployment, c) for c in three}
     data = encode(audio["pocketsphinx/goforward"], "wav")
     after = before
