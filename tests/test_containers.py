@@ -250,6 +250,23 @@ def test_mixed_requests_on_both_replicas(
     assert sum(shares.values()) == 39 and all(n >= 5 for n in shares.values()), shares
 
 
+def test_replicas_run_as_the_image_says(deployment: Deployment) -> None:
+    """tini is PID 1, the server runs as `specwhisper` on a read-only root, health checks pass, and the load
+    balancer runs as `haproxy`, also on a read-only root."""
+    for container in deployment.containers():
+        healthy = lambda: deployment.inspect(container)["State"]["Health"]["Status"] == "healthy"  # noqa: B023, E731
+        deployment.wait_for("Docker's health check passing", healthy, timeout=120)
+        assert deployment.inspect(container)["HostConfig"]["ReadonlyRootfs"]
+        init = deployment.docker.run("exec", container, "cat", "/proc/1/cmdline").stdout.split("\0")
+        assert init[0] == "/usr/bin/tini" and init[2:5] == ["python", "-m", "app"], init
+        assert deployment.docker.run("exec", container, "id", "-un").stdout.strip() == "specwhisper"
+        write = deployment.docker.run("exec", container, "touch", "/opt/venv/x", check=False)
+        assert write.returncode != 0 and "Read-only file system" in write.stderr
+    (lb,) = deployment.containers(LB)
+    assert deployment.inspect(lb)["HostConfig"]["ReadonlyRootfs"]
+    assert deployment.docker.run("exec", lb, "id", "-un").stdout.strip() == "haproxy"
+
+
 def _load(deployment: Deployment, data: tuple[str, bytes], count: int, workers: int) -> cf.Future[list[httpx.Response]]:
     """`count` uploads through the load balancer from `workers` clients, in the background."""
     pool = cf.ThreadPoolExecutor(workers + 1)
@@ -299,6 +316,17 @@ def test_killed_replica_loses_nothing_and_comes_back(
         assert r.status_code == 200
     assert served(deployment, victim) >= 1, "the restarted replica gets traffic again"
     assert served(deployment, other) >= 1
+
+    # `docker kill` under load: nothing is lost either; Docker counts it as stopped by hand and leaves it down
+    # (the restart policy does not apply), and `compose up` brings it back.
+    load = _load(deployment, encode(audio["ljspeech/LJ001-0001"], "wav"), count=12, workers=4)
+    deployment.wait_for("the other busy", lambda: served(deployment, other) >= 2, timeout=120)
+    deployment.docker.run("kill", other)
+    responses = load.result(timeout=600)
+    assert [r.status_code for r in responses] == [200] * 12, [r.text[:200] for r in responses if r.status_code != 200]
+    assert deployment.inspect(other)["State"]["Status"] == "exited"
+    deployment.up(replicas=2)
+    deployment.wait_serving(2)
 
 
 def test_stopped_replica_drains_its_work(
