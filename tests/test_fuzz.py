@@ -405,7 +405,11 @@ EVENT_TYPES = ["transcription_session.update", "session.update", "input_audio_bu
 session_values = st.fixed_dictionaries(
     {},
     optional={
-        "input_audio_format": st.one_of(st.sampled_from(["pcm16", "g711_ulaw"]), json_values),
+        "input_audio_format": st.one_of(st.sampled_from(["pcm16", "g711_ulaw", "g711_alaw"]), json_values),
+        "input_audio_noise_reduction": st.one_of(
+            st.none(), json_values, st.fixed_dictionaries({"type": st.sampled_from(["near_field", "far_field", "x"])})
+        ),
+        "include": st.one_of(st.just(["item.input_audio_transcription.logprobs"]), json_values),
         "input_audio_sample_rate": st.one_of(st.sampled_from([16000, 24000, 8000, 0, -1, 1e9, True]), json_values),
         "input_audio_transcription": st.one_of(
             json_values,

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from openai import OpenAI
 
@@ -95,6 +96,18 @@ def test_errors_use_openai_shape(server: ServerProcess, jfk: bytes) -> None:
         assert set(error) == {"message", "type", "param", "code"} and error["message"]
         if code:
             assert error["code"] == code
+    # Fields the endpoint does not know are refused and named, as OpenAI does: through the official SDK's
+    # extra_body, a misspelt option, and `language` on translations.
+    client = openai_client(server)
+    for create, extra in (
+        (client.audio.transcriptions.create, {"temprature": "0.2"}),
+        (client.audio.transcriptions.create, {"timestamp_granularities": "word"}),  # without the SDK's []
+        (client.audio.translations.create, {"language": "en"}),
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            create(model="whisper-1", file=("a.wav", jfk), extra_body=extra)
+        (name,) = extra
+        assert refused.value.body["param"] == name and name in refused.value.body["message"], refused.value.body
     # The server still serves after all that.
     ok = post(server, jfk, timeout=120)
     assert ok.status_code == 200 and ok.json()["text"].startswith(JFK_START)

@@ -245,6 +245,67 @@ def test_realtime_server_vad_at_24khz(server: ServerProcess, client: OpenAI, spe
     session.ws.close()
 
 
+GA_TYPES = {"pcm16": "audio/pcm", "g711_ulaw": "audio/pcmu", "g711_alaw": "audio/pcma"}
+
+
+def live_bytes(speech: np.ndarray, audio_format: str) -> bytes:
+    """The 16-kHz clip as a client sends it: pcm16 at 24 kHz, or G.711 at 8 kHz (a phone line)."""
+    audio = speech.astype(np.float32) / 32768.0
+    if audio_format == "pcm16":
+        up = soxr.resample(audio, 16000, 24000)
+        return bytes((np.clip(up, -1, 32767 / 32768) * 32768).round().astype("<i2").tobytes())
+    out = io.BytesIO()
+    subtype = {"g711_ulaw": "ULAW", "g711_alaw": "ALAW"}[audio_format]
+    sf.write(out, soxr.resample(audio, 16000, 8000), 8000, format="RAW", subtype=subtype)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("shape", ["ga", "beta"])
+def test_official_sdk_realtime_client_in_every_format(
+    server: ServerProcess, client: OpenAI, speech: np.ndarray, shape: str
+) -> None:
+    """The `openai` SDK's own realtime clients (GA `client.realtime`, beta `client.beta.realtime`) configure a
+    transcription session in pcm16, G.711 mu-law and A-law, append the clip, commit, and get its text: the same
+    words as an upload of the clip (the phone line's narrower band may change a word)."""
+    sdk = OpenAI(
+        base_url=f"{server.url}/v1", api_key="unused", websocket_base_url=server.url.replace("http", "ws") + "/v1"
+    )
+    upload = words(client.audio.transcriptions.create(model="whisper-1", file=("c.wav", wav(speech))).text)
+    for audio_format in ("pcm16", "g711_ulaw", "g711_alaw"):
+        transcription = {"model": "whisper-1", "language": "en"}
+        if shape == "ga":
+            manager: Any = sdk.realtime.connect(model="whisper-1")
+            update = {"type": "transcription", "audio": {"input": {
+                "format": {"type": GA_TYPES[audio_format]}, "transcription": transcription, "turn_detection": None,
+                "noise_reduction": {"type": "near_field"}}}}  # fmt: skip
+        else:
+            manager = sdk.beta.realtime.connect(model="whisper-1")
+            update = {"input_audio_format": audio_format, "input_audio_transcription": transcription,
+                      "turn_detection": None, "input_audio_noise_reduction": {"type": "far_field"}}  # fmt: skip
+        with manager as conn:
+            assert conn.recv().type == "transcription_session.created"
+            if shape == "ga":
+                conn.session.update(session=update)
+            else:
+                conn.transcription_session.update(session=update)
+            updated = conn.recv()
+            assert updated.type in ("session.updated", "transcription_session.updated"), updated
+            data = live_bytes(speech, audio_format)
+            step = len(data) // 20 // 2 * 2
+            for start in range(0, len(data), step):
+                conn.input_audio_buffer.append(audio=base64.b64encode(data[start : start + step]).decode())
+            conn.input_audio_buffer.commit()
+            heard: list[str] | None = None
+            for event in conn:
+                assert event.type != "error", event
+                if event.type == "conversation.item.input_audio_transcription.completed":
+                    heard = words(event.transcript)
+                    break
+        assert heard is not None, "the session ended without a completed transcription"
+        same = sum(a == b for a, b in zip(heard, upload, strict=False))
+        assert len(heard) == len(upload) and same >= len(upload) - 2, (audio_format, heard, upload)
+
+
 def test_realtime_bad_events_get_errors_and_others_keep_working(server: ServerProcess, speech: np.ndarray) -> None:
     bad = live(server)
     bad.wait_for("transcription_session.created")

@@ -138,3 +138,25 @@ def _decode_with_soundfile(source: sf.SoundFile, max_seconds: float | None) -> n
 
 def load_audio(path: str | Path) -> np.ndarray:
     return decode_audio(Path(path).read_bytes())
+
+
+G711 = {"g711_ulaw": "ULAW", "g711_alaw": "ALAW"}  # raw 8-kHz telephone audio, one byte a sample
+G711_RATE = 8000
+
+
+def decode_raw(data: bytes, encoding: str) -> np.ndarray:
+    """Headerless mono audio as float32 samples in [-1, 1), at its own rate: `pcm16` (little-endian 16-bit;
+    an even number of bytes) or G.711 `g711_ulaw` / `g711_alaw` (8 kHz, decoded by libsndfile). AudioError if
+    the bytes cannot be such audio."""
+    if encoding == "pcm16":
+        if len(data) % 2:
+            raise AudioError("pcm16 audio must have an even number of bytes")
+        return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
+    if encoding not in G711:
+        raise AudioError(f"unknown raw audio encoding {encoding!r}")
+    if not data:
+        return np.zeros(0, dtype=np.float32)
+    samples, _ = sf.read(
+        io.BytesIO(data), format="RAW", subtype=G711[encoding], samplerate=G711_RATE, channels=1, dtype="float32"
+    )
+    return np.asarray(samples, dtype=np.float32)

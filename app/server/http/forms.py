@@ -1,4 +1,5 @@
-"""Multipart form fields as the official SDKs send them: a nested object arrives as `name[key]` fields."""
+"""Multipart form fields as the official SDKs send them: a nested object arrives as `name[key]` fields, a list
+as repeated `name[]` fields. A field the endpoint does not know is refused, naming it, as OpenAI does."""
 
 from __future__ import annotations
 
@@ -49,3 +50,12 @@ async def text_fields(request: Request, names: tuple[str, ...]) -> dict[str, str
             raise errors.bad_request(f"{name} must be a value, not a file", param=name)
         out[name] = value
     return out
+
+
+async def refuse_unknown(request: Request, known: frozenset[str], objects: frozenset[str] = frozenset()) -> None:
+    """400 naming the first form field that is neither in `known` nor a `name[key]` field of one of `objects`."""
+    form = await request.form()
+    for key in form:
+        base = key.split("[", 1)[0] if key.endswith("]") and not key.endswith("[]") else None
+        if key not in known and base not in objects:
+            raise errors.bad_request(f"Unrecognized request argument supplied: {key[:64]}", param=key[:64])

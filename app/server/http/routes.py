@@ -12,13 +12,19 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from app.api import errors
-from app.server.http.forms import object_field, text_fields
+from app.server.http.forms import object_field, refuse_unknown, text_fields
 from app.server.http.limits import unless_disconnected
 from app.server.serving.service import LONG_FORM_FIELDS, TranscriptionRequest, TranscriptionService
 from app.server.serving.status import ServerStatus
 
 router = APIRouter()
 CREATED = int(time.time())
+# The form fields each endpoint knows: OpenAI's, then ours (docs: README, "Extensions"). Any other is a 400.
+TRANSLATION_FIELDS = frozenset(
+    {"file", "model", "prompt", "response_format", "temperature", "speculative", "chunking_strategy", *LONG_FORM_FIELDS}
+)
+TRANSCRIPTION_FIELDS = TRANSLATION_FIELDS | {"language", "timestamp_granularities[]", "stream"}
+OBJECT_FIELDS = frozenset({"chunking_strategy"})
 
 
 async def sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
@@ -48,6 +54,7 @@ async def _transcription(
     speculative: bool,
     stream: bool = False,
 ) -> Response:
+    await refuse_unknown(request, TRANSCRIPTION_FIELDS if task == "transcribe" else TRANSLATION_FIELDS, OBJECT_FIELDS)
     if file is None:
         raise errors.bad_request("An audio file is required in the `file` field.", param="file")
     if not model:

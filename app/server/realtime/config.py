@@ -1,12 +1,16 @@
 """Session configuration of a realtime transcription session, read from either API shape.
 
 Beta (`transcription_session.update`):
-    {"input_audio_format": "pcm16", "input_audio_transcription": {"model", "language", "prompt"},
-     "turn_detection": {"type": "server_vad", "threshold", "prefix_padding_ms", "silence_duration_ms"} | null}
+    {"input_audio_format": "pcm16" | "g711_ulaw" | "g711_alaw",
+     "input_audio_transcription": {"model", "language", "prompt"},
+     "turn_detection": {"type": "server_vad", "threshold", "prefix_padding_ms", "silence_duration_ms"} | null,
+     "input_audio_noise_reduction": {"type": "near_field" | "far_field"} | null}
 GA (`session.update`, `"type": "transcription"`):
-    {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}, "transcription": {...},
-                         "turn_detection": {...} | null}}}
-pcm16 is 24 kHz in both; 16 kHz is accepted too (GA `rate`, or beta `input_audio_sample_rate`).
+    {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000} | {"type": "audio/pcmu" | "audio/pcma"},
+                         "transcription": {...}, "turn_detection": {...} | null,
+                         "noise_reduction": {"type": ...} | null}}}
+pcm16 is 24 kHz in both (16 kHz is accepted too: GA `rate`, or beta `input_audio_sample_rate`); G.711 is 8 kHz.
+A field either shape does not define is refused, naming it, as OpenAI refuses it.
 """
 
 from __future__ import annotations
@@ -14,10 +18,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from app.api.audio import G711_RATE
 from app.api.types import InvalidRequestError
 from app.server.vad import VadParams, server_vad
 
 SAMPLE_RATES = (16000, 24000)
+FORMATS = ("pcm16", "g711_ulaw", "g711_alaw")  # the beta names; the GA ones below
+GA_FORMATS = {"audio/pcm": "pcm16", "audio/pcmu": "g711_ulaw", "audio/pcma": "g711_alaw"}
+NOISE_REDUCTION = ("near_field", "far_field")
+# Fields a client may send back as it received them (the session's own): accepted, and ignored.
+ECHOED = frozenset({"id", "object", "expires_at"})
+BETA_FIELDS = frozenset(
+    {"input_audio_format", "input_audio_sample_rate", "input_audio_transcription", "turn_detection"}
+    | {"input_audio_noise_reduction", "include", "modalities"}
+)
+GA_FIELDS = frozenset({"type", "audio", "include"})
 
 
 @dataclass(frozen=True)
@@ -25,31 +40,50 @@ class SessionConfig:
     model: str = "whisper-1"
     language: str | None = None
     prompt: str | None = None
-    sample_rate: int = 24000
+    audio_format: str = "pcm16"  # one of FORMATS
+    sample_rate: int = 24000  # pcm16's; G.711 is always 8 kHz
     vad: VadParams | None = field(default_factory=VadParams)  # None: the client commits turns itself
+    noise_reduction: str | None = None  # accepted and echoed; see docs/realtime.md
+
+    @property
+    def rate(self) -> int:
+        """The input audio's sample rate."""
+        return self.sample_rate if self.audio_format == "pcm16" else G711_RATE
+
+    def _transcription(self) -> dict[str, Any]:
+        return {"model": self.model, "language": self.language, "prompt": self.prompt}
+
+    def _noise(self) -> dict[str, Any] | None:
+        return None if self.noise_reduction is None else {"type": self.noise_reduction}
 
     def beta(self, session_id: str) -> dict[str, Any]:
         return {
             "id": session_id,
             "object": "realtime.transcription_session",
-            "input_audio_format": "pcm16",
-            "input_audio_sample_rate": self.sample_rate,
-            "input_audio_transcription": {"model": self.model, "language": self.language, "prompt": self.prompt},
+            "input_audio_format": self.audio_format,
+            "input_audio_sample_rate": self.rate,
+            "input_audio_transcription": self._transcription(),
             "turn_detection": _vad_out(self.vad),
+            "input_audio_noise_reduction": self._noise(),
+            "include": [],
         }
 
     def ga(self, session_id: str) -> dict[str, Any]:
+        ga_type = next(k for k, v in GA_FORMATS.items() if v == self.audio_format)
+        fmt: dict[str, Any] = {"type": ga_type, "rate": self.rate}
         return {
             "id": session_id,
             "object": "realtime.session",
             "type": "transcription",
             "audio": {
                 "input": {
-                    "format": {"type": "audio/pcm", "rate": self.sample_rate},
-                    "transcription": {"model": self.model, "language": self.language, "prompt": self.prompt},
+                    "format": fmt,
+                    "transcription": self._transcription(),
                     "turn_detection": _vad_out(self.vad),
+                    "noise_reduction": self._noise(),
                 }
             },
+            "include": [],
         }
 
 
@@ -57,16 +91,20 @@ def _vad_out(vad: VadParams | None) -> dict[str, Any] | None:
     return None if vad is None else {"type": "server_vad", **vad.to_dict()}
 
 
-def _obj(value: Any, param: str) -> dict[str, Any]:
+def _obj(value: Any, param: str, known: frozenset[str] | None = None) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise InvalidRequestError(f"{param} must be an object", param)
+    if known is not None:
+        for key in value:
+            if key not in known:
+                raise InvalidRequestError(f"Unknown parameter: '{param}.{str(key)[:64]}'.", f"{param}.{str(key)[:64]}")
     return value
 
 
 def _transcription(config: SessionConfig, raw: Any, param: str) -> SessionConfig:
     if raw is None:
         return config
-    raw = _obj(raw, param)
+    raw = _obj(raw, param, frozenset({"model", "language", "prompt"}))
     for key in ("model", "language", "prompt"):
         if key in raw and raw[key] is not None and not isinstance(raw[key], str):
             raise InvalidRequestError(f"{param}.{key} must be a string", f"{param}.{key}")
@@ -78,35 +116,85 @@ def _transcription(config: SessionConfig, raw: Any, param: str) -> SessionConfig
     )
 
 
+def _noise_reduction(config: SessionConfig, raw: Any, param: str) -> SessionConfig:
+    if raw is None:
+        return replace(config, noise_reduction=None)
+    kind = _obj(raw, param, frozenset({"type"})).get("type")
+    if kind not in NOISE_REDUCTION:
+        raise InvalidRequestError(f"{param}.type must be one of {', '.join(NOISE_REDUCTION)}", f"{param}.type")
+    return replace(config, noise_reduction=kind)
+
+
+def _include(raw: Any, param: str) -> None:
+    if not isinstance(raw, list) or not all(isinstance(x, str) for x in raw):
+        raise InvalidRequestError(f"{param} must be a list of strings", param)
+    if raw:
+        raise InvalidRequestError(f"{param}: {str(raw[0])[:64]!r} is not supported", param)
+
+
 def apply_update(config: SessionConfig, session: Any) -> SessionConfig:
     """The config after a `transcription_session.update` or `session.update`; InvalidRequestError (naming the
     field) if it is invalid."""
     session = _obj(session, "session")
-    audio = session.get("audio")
-    if audio is not None:  # GA shape
-        inp = _obj(_obj(audio, "session.audio").get("input") or {}, "session.audio.input")
-        fmt = inp.get("format")
-        if fmt is not None:
-            fmt = _obj(fmt, "session.audio.input.format")
-            if fmt.get("type", "audio/pcm") != "audio/pcm":
-                raise InvalidRequestError("only audio/pcm input is supported", "session.audio.input.format.type")
-            config = _rate(config, fmt.get("rate", 24000), "session.audio.input.format.rate")
-        config = _transcription(config, inp.get("transcription"), "session.audio.input.transcription")
-        if "turn_detection" in inp:
-            config = replace(
-                config, vad=server_vad(inp["turn_detection"], "session.audio.input.turn_detection", config.vad)
-            )
-        return config
+    if "audio" in session or "type" in session:  # GA shape
+        return _apply_ga(config, _obj(session, "session", GA_FIELDS | ECHOED))
+    session = _obj(session, "session", BETA_FIELDS | ECHOED)
     fmt = session.get("input_audio_format")
-    if fmt is not None and fmt != "pcm16":
-        raise InvalidRequestError(
-            f"input_audio_format {fmt!r} is not supported; use 'pcm16'", "session.input_audio_format"
-        )
+    if fmt is not None:
+        if fmt not in FORMATS:
+            raise InvalidRequestError(
+                f"input_audio_format must be one of {', '.join(FORMATS)}", "session.input_audio_format"
+            )
+        config = replace(config, audio_format=fmt)
     if "input_audio_sample_rate" in session:
-        config = _rate(config, session["input_audio_sample_rate"], "session.input_audio_sample_rate")
+        if config.audio_format != "pcm16" and session["input_audio_sample_rate"] != G711_RATE:
+            raise InvalidRequestError("G.711 audio is 8000 Hz", "session.input_audio_sample_rate")
+        if config.audio_format == "pcm16":
+            config = _rate(config, session["input_audio_sample_rate"], "session.input_audio_sample_rate")
     config = _transcription(config, session.get("input_audio_transcription"), "session.input_audio_transcription")
     if "turn_detection" in session:
         config = replace(config, vad=server_vad(session["turn_detection"], "session.turn_detection", config.vad))
+    if "input_audio_noise_reduction" in session:
+        config = _noise_reduction(config, session["input_audio_noise_reduction"], "session.input_audio_noise_reduction")
+    if "include" in session:
+        _include(session["include"], "session.include")
+    modalities = session.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise InvalidRequestError("a transcription session's modalities are ['text']", "session.modalities")
+    return config
+
+
+def _apply_ga(config: SessionConfig, session: dict[str, Any]) -> SessionConfig:
+    if session.get("type", "transcription") != "transcription":
+        raise InvalidRequestError(
+            "this server runs transcription sessions: session.type must be 'transcription'", "session.type"
+        )
+    if "include" in session:
+        _include(session["include"], "session.include")
+    audio = _obj(session.get("audio") or {}, "session.audio", frozenset({"input"}))
+    inp = _obj(audio.get("input") or {}, "session.audio.input")
+    _obj(inp, "session.audio.input", frozenset({"format", "transcription", "turn_detection", "noise_reduction"}))
+    fmt = inp.get("format")
+    if fmt is not None:
+        fmt = _obj(fmt, "session.audio.input.format", frozenset({"type", "rate"}))
+        kind = GA_FORMATS.get(fmt.get("type", "audio/pcm"))
+        if kind is None:
+            raise InvalidRequestError(
+                f"session.audio.input.format.type must be one of {', '.join(GA_FORMATS)}",
+                "session.audio.input.format.type",
+            )
+        config = replace(config, audio_format=kind)
+        if kind == "pcm16":
+            config = _rate(config, fmt.get("rate", 24000), "session.audio.input.format.rate")
+        elif fmt.get("rate", G711_RATE) != G711_RATE:
+            raise InvalidRequestError("G.711 audio is 8000 Hz", "session.audio.input.format.rate")
+    config = _transcription(config, inp.get("transcription"), "session.audio.input.transcription")
+    if "turn_detection" in inp:
+        config = replace(
+            config, vad=server_vad(inp["turn_detection"], "session.audio.input.turn_detection", config.vad)
+        )
+    if "noise_reduction" in inp:
+        config = _noise_reduction(config, inp["noise_reduction"], "session.audio.input.noise_reduction")
     return config
 
 

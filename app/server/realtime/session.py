@@ -1,8 +1,8 @@
 """One live transcription session: client events in, server events out.
 
-Audio is appended as base64 pcm16, resampled to 16 kHz and cut into utterances ("items") by
-the server VAD, by the client's `input_audio_buffer.commit`, or at `realtime_max_utterance_s`.
-While an utterance is open it is re-transcribed every `realtime_partial_interval_s` of new
+Audio is appended as base64 pcm16 (24 or 16 kHz) or G.711 (8 kHz), decoded, resampled to 16 kHz and cut
+into utterances ("items") by the server VAD, by the client's `input_audio_buffer.commit`, or at
+`realtime_max_utterance_s`. While an utterance is open it is re-transcribed every `realtime_partial_interval_s` of new
 audio; words that two consecutive partials agree on are sent as `...transcription.delta`
 events (so deltas only grow). A closed utterance is transcribed once more, in order, through
 the finished-utterance lane of the batcher, and completed with its metrics.
@@ -29,7 +29,7 @@ import numpy as np
 import soxr
 
 from app.api import errors
-from app.api.audio import SAMPLE_RATE
+from app.api.audio import SAMPLE_RATE, AudioError, decode_raw
 from app.api.types import DecodingOptions, InvalidRequestError
 from app.server.realtime.config import SessionConfig, apply_update
 from app.server.serving.service import TranscriptionService
@@ -206,7 +206,7 @@ class RealtimeSession:
         except errors.ApiError as exc:
             self.error(exc.message, exc.code or "invalid_value", exc.param, event_id)
             return
-        if config.sample_rate != self.config.sample_rate:
+        if (config.audio_format, config.rate) != (self.config.audio_format, self.config.rate):
             self._resampler = None
         if config.vad != self.config.vad:
             self.vad = self.service.vad.stream(config.vad) if config.vad else None
@@ -217,22 +217,24 @@ class RealtimeSession:
             self.emit({"type": "transcription_session.updated", "session": config.beta(self.id)})
 
     def _append(self, event: dict[str, Any], event_id: str | None) -> None:
+        fmt = self.config.audio_format
         audio = event.get("audio")
         if not isinstance(audio, str):
-            self.error("`audio` must be a base64 string of pcm16 audio.", "invalid_value", "audio", event_id)
+            self.error(f"`audio` must be a base64 string of {fmt} audio.", "invalid_value", "audio", event_id)
             return
         try:
-            pcm = base64.b64decode(audio, validate=True)
+            data = base64.b64decode(audio, validate=True)
         except (binascii.Error, ValueError):
             self.error("`audio` is not valid base64.", "invalid_base64", "audio", event_id)
             return
-        if len(pcm) % 2:
-            self.error("pcm16 audio must have an even number of bytes.", "invalid_audio", "audio", event_id)
+        try:
+            samples = decode_raw(data, fmt)
+        except AudioError as exc:
+            self.error(f"{exc}.", "invalid_audio", "audio", event_id)
             return
-        samples = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
-        if self.config.sample_rate != SAMPLE_RATE:
+        if self.config.rate != SAMPLE_RATE:
             if self._resampler is None:
-                self._resampler = soxr.ResampleStream(self.config.sample_rate, SAMPLE_RATE, 1, dtype="float32")
+                self._resampler = soxr.ResampleStream(self.config.rate, SAMPLE_RATE, 1, dtype="float32")
             samples = self._resampler.resample_chunk(samples)
         if samples.size:  # an empty chunk (or one the resampler holds back) opens no utterance
             self._ingest(samples)
