@@ -83,6 +83,17 @@ def test_bad_updates_name_the_field(update: dict[str, Any], param: str) -> None:
     assert refused.value.param == param
 
 
+def test_include_logprobs() -> None:
+    wanted = ["item.input_audio_transcription.logprobs"]
+    for update in ({"include": wanted}, ga({}, include=wanted)):
+        config = apply_update(SessionConfig(), update)
+        assert config.logprobs and config.ga("s")["include"] == wanted and config.beta("s")["include"] == wanted
+        assert not apply_update(config, {"include": []}).logprobs
+    with pytest.raises(InvalidRequestError) as refused:
+        apply_update(SessionConfig(), {"include": ["item.input_audio_transcription.words"]})
+    assert refused.value.param == "session.include"
+
+
 def test_fields_a_client_echoes_back_are_accepted() -> None:
     received = SessionConfig().beta("sess_1")
     assert apply_update(SessionConfig(), received) == SessionConfig()

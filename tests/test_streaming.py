@@ -306,6 +306,63 @@ def test_official_sdk_realtime_client_in_every_format(
         assert len(heard) == len(upload) and same >= len(upload) - 2, (audio_format, heard, upload)
 
 
+def check_logprobs(entries: list[dict[str, Any]], text: str) -> None:
+    """OpenAI's `logprobs` entries: the text's tokens in order (their bytes spell it), each log-probability <= 0."""
+    assert entries and all(set(e) == {"token", "logprob", "bytes"} and e["logprob"] <= 0 for e in entries)
+    assert b"".join(bytes(int(b) for b in e["bytes"]) for e in entries).decode().strip() == text  # SDK: floats
+    assert "".join(e["token"] for e in entries).strip() == text  # no character split across tokens here
+
+
+def test_logprobs_in_json_sse_and_realtime(server: ServerProcess, client: OpenAI, speech: np.ndarray) -> None:
+    """include[]=logprobs (REST, through the SDK; and SSE) and include: [...logprobs] (realtime) give each text
+    token's log-probability; the same audio gives the same tokens and values everywhere."""
+    audio = wav(speech)
+    answer = client.audio.transcriptions.create(
+        model="whisper-1", file=("c.wav", audio), include=["logprobs"], response_format="json"
+    )
+    logprobs = [e.model_dump() for e in answer.logprobs or []]
+    check_logprobs(logprobs, answer.text)
+    streamed = client.audio.transcriptions.create(
+        model="whisper-1", file=("c.wav", audio), include=["logprobs"], stream=True
+    )
+    deltas: list[dict[str, Any]] = []
+    done: Any = None
+    for event in streamed:
+        if event.type == "transcript.text.delta":
+            deltas += [e.model_dump() for e in event.logprobs or []]
+        elif event.type == "transcript.text.done":
+            done = event
+    assert done is not None and done.text == answer.text
+    assert [e.model_dump() for e in done.logprobs] == logprobs == deltas
+    # Only json (and verbose_json) can carry them, as OpenAI says.
+    refused = httpx.post(
+        f"{server.url}/v1/audio/transcriptions",
+        data={"model": "whisper-1", "include[]": "logprobs", "response_format": "srt"},
+        files={"file": ("c.wav", audio)},
+        timeout=60,
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "include[]"
+
+    session = live(server)
+    try:
+        session.wait_for("transcription_session.created")
+        session.send({"type": "transcription_session.update", "session": {
+            "input_audio_sample_rate": 16000, "turn_detection": None,
+            "include": ["item.input_audio_transcription.logprobs"],
+            "input_audio_transcription": {"model": "whisper-1"}}})  # fmt: skip
+        assert session.wait_for("transcription_session.updated")[0]["session"]["include"] == [
+            "item.input_audio_transcription.logprobs"
+        ]
+        session.stream(speech, 16000)
+        session.send({"type": "input_audio_buffer.commit"})
+        completed = session.wait_for("conversation.item.input_audio_transcription.completed")[0]
+    finally:
+        session.ws.close()
+    check_logprobs(completed["logprobs"], completed["transcript"])
+    if completed["transcript"] == answer.text:
+        assert completed["logprobs"] == logprobs
+
+
 def test_realtime_bad_events_get_errors_and_others_keep_working(server: ServerProcess, speech: np.ndarray) -> None:
     bad = live(server)
     bad.wait_for("transcription_session.created")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 TASKS = ("transcribe", "translate")
 
@@ -22,6 +22,19 @@ class Word:
     end: float
     probability: float
     tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A text token of the transcript with its log-probability (OpenAI's `logprobs` entry): `token` is its text,
+    `bytes` its UTF-8 bytes (a token may hold part of a character)."""
+
+    token: str
+    logprob: float
+    bytes: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"token": self.token, "logprob": round(self.logprob, 6), "bytes": list(self.bytes)}
 
 
 TimestampMode = Literal["none", "segment", "word"]
@@ -131,6 +144,7 @@ class Segment:
     compression_ratio: float
     no_speech_prob: float
     words: list[Word] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of its text tokens
 
 
 @dataclass(frozen=True)
@@ -147,3 +161,7 @@ class Transcription:
     @property
     def words(self) -> list[Word]:
         return [w for s in self.segments for w in s.words]
+
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        return [p for s in self.segments for p in s.logprobs]

@@ -48,6 +48,7 @@ class Decoded:
     sum_logprob: float
     no_speech_prob: float | None
     stats: RowStats
+    logprobs: list[float]  # of each token (the main model's, at the temperature it decoded at)
 
     @property
     def avg_logprob(self) -> float:
@@ -109,7 +110,9 @@ def decode(
             row.extend(new)
             # Sum the log-probabilities of what was kept, end-of-text included, as OpenAI's decoder does
             # (its average divides by the text's length plus one: the end).
-            row.sum_logprob += float(chosen[: len(row.tokens) - kept + (row.finish == "stop")].sum())
+            added = len(row.tokens) - kept
+            row.logprobs.extend(chosen[:added].tolist())
+            row.sum_logprob += float(chosen[: added + (row.finish == "stop")].sum())
             accepted.append(choice.accepted)
             s = stats[active[b]]
             s.drafted += n
@@ -128,7 +131,7 @@ def decode(
             state.keep(keep)
             active = [active[b] for b in keep]
     return [
-        Decoded(row.generated, row.finish or "stop", row.sum_logprob, row.no_speech_prob, s)
+        Decoded(row.generated, row.finish or "stop", row.sum_logprob, row.no_speech_prob, s, row.logprobs)
         for row, s in zip(rows, stats, strict=True)
     ]
 

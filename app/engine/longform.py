@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from app.api.audio import SAMPLE_RATE
-from app.api.types import DecodingOptions, Metrics, Segment, Transcription, Word
+from app.api.types import DecodingOptions, Metrics, Segment, TokenLogprob, Transcription, Word
 from app.engine.alignment import APPEND_PUNCTUATION, PREPEND_PUNCTUATION, WordTiming, merge_punctuation
 from app.engine.generate import Decoded, RowStats
 from app.model.features import FRAMES_PER_SECOND, INPUT_STRIDE, N_FRAMES, N_SAMPLES, TIME_PRECISION, log_mel, window
@@ -60,6 +60,7 @@ class WindowSegment:
     end: float
     tokens: list[int]
     text: str
+    logprobs: list[float]  # of each of its tokens
     words: list[Word] = field(default_factory=list)
 
 
@@ -225,14 +226,15 @@ class LongFormJob:
         cuts = [i + 1 for i in range(len(tokens) - 1) if is_ts[i] and is_ts[i + 1]]
         segments: list[WindowSegment] = []
 
-        def add(start: float, end: float, part: list[int]) -> None:
-            segments.append(WindowSegment(seek, start, end, part, tok.decode(part)))
+        def add(start: float, end: float, lo: int, hi: int) -> None:
+            part = tokens[lo:hi]
+            segments.append(WindowSegment(seek, start, end, part, tok.decode(part), d.logprobs[lo:hi]))
 
         if cuts:
             last = 0
             for cut in cuts + ([len(tokens)] if single_ending else []):
-                part = tokens[last:cut]
-                add(offset + (part[0] - tb) * TIME_PRECISION, offset + (part[-1] - tb) * TIME_PRECISION, part)
+                first, final = tokens[last], tokens[cut - 1]
+                add(offset + (first - tb) * TIME_PRECISION, offset + (final - tb) * TIME_PRECISION, last, cut)
                 last = cut
             if single_ending:
                 self.seek += size
@@ -243,7 +245,7 @@ class LongFormJob:
             stamps = [t for t in tokens if t >= tb]
             if stamps and stamps[-1] != tb:
                 duration = (stamps[-1] - tb) * TIME_PRECISION
-            add(offset, offset + duration, tokens)
+            add(offset, offset + duration, 0, len(tokens))
             self.seek += size
         self.counters.tokens += len(tokens)
         return Window(seek, size, d, temperature, segments, single_ending)
@@ -387,6 +389,7 @@ class LongFormJob:
                     compression_ratio=ratio,
                     no_speech_prob=d.no_speech_prob or 0.0,
                     words=words,
+                    logprobs=self._text_logprobs(s),
                 )
             )
             self.all_tokens.extend(s.tokens)
@@ -394,6 +397,15 @@ class LongFormJob:
             self.prompt_reset = len(self.all_tokens)
         self._settle()
         return first_new
+
+    def _text_logprobs(self, s: WindowSegment) -> list[TokenLogprob]:
+        """The segment's text tokens (no timestamps) with their log-probabilities, as OpenAI lists them."""
+        out = []
+        for token, logprob in zip(s.tokens, s.logprobs, strict=True):
+            if token < self.tokenizer.eot:
+                raw = self.tokenizer.token_bytes(token)
+                out.append(TokenLogprob(raw.decode("utf-8", errors="replace"), logprob, tuple(raw)))
+        return out
 
     def result(self, total_s: float, batch: int, speculative: bool) -> Transcription:
         c = self.counters

@@ -105,6 +105,17 @@ class WhisperTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.backend.encode(text, add_special_tokens=False).ids)
 
+    @cached_property
+    def _byte_of(self) -> dict[str, int]:
+        """Byte-level BPE's alphabet: the character that stands for each byte in the vocabulary, reversed."""
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        return {char: byte for byte, char in bytes_to_unicode().items()}
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes an ordinary token stands for (UTF-8 text, or part of a character)."""
+        return bytes(self._byte_of[c] for c in self.backend.id_to_token(token) or "")
+
     def decode(self, tokens: list[int]) -> str:
         """Text of the ordinary tokens (special and timestamp tokens dropped)."""
         return str(self.backend.decode([t for t in tokens if t < self.eot], skip_special_tokens=False))

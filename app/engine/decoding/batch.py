@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -103,6 +103,7 @@ class Row:
     finish: str | None = None
     sum_logprob: float = 0.0
     no_speech_prob: float | None = None
+    logprobs: list[float] = field(default_factory=list)  # of each generated token (end-of-text not included)
 
     @property
     def generated(self) -> list[int]:

@@ -23,7 +23,7 @@ CREATED = int(time.time())
 TRANSLATION_FIELDS = frozenset(
     {"file", "model", "prompt", "response_format", "temperature", "speculative", "chunking_strategy", *LONG_FORM_FIELDS}
 )
-TRANSCRIPTION_FIELDS = TRANSLATION_FIELDS | {"language", "timestamp_granularities[]", "stream"}
+TRANSCRIPTION_FIELDS = TRANSLATION_FIELDS | {"language", "timestamp_granularities[]", "stream", "include[]"}
 OBJECT_FIELDS = frozenset({"chunking_strategy"})
 
 
@@ -53,6 +53,7 @@ async def _transcription(
     granularities: list[str] | None,
     speculative: bool,
     stream: bool = False,
+    include: list[str] | None = None,
 ) -> Response:
     await refuse_unknown(request, TRANSCRIPTION_FIELDS if task == "transcribe" else TRANSLATION_FIELDS, OBJECT_FIELDS)
     if file is None:
@@ -75,6 +76,7 @@ async def _transcription(
         stream=stream,
         chunking_strategy=await object_field(request, "chunking_strategy"),
         long_form=await text_fields(request, LONG_FORM_FIELDS),
+        include=tuple(include or ()),
     )
     if stream:
         events = await _service(request).transcribe_stream(req, request.state.request_id)
@@ -101,6 +103,7 @@ async def transcriptions(
     timestamp_granularities: Annotated[list[str] | None, Form(alias="timestamp_granularities[]")] = None,
     speculative: Annotated[bool, Form()] = True,
     stream: Annotated[bool, Form()] = False,
+    include: Annotated[list[str] | None, Form(alias="include[]")] = None,
 ) -> Response:
     return await _transcription(
         request,
@@ -114,6 +117,7 @@ async def transcriptions(
         timestamp_granularities,
         speculative,
         stream,
+        include,
     )
 
 

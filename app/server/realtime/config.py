@@ -26,6 +26,7 @@ SAMPLE_RATES = (16000, 24000)
 FORMATS = ("pcm16", "g711_ulaw", "g711_alaw")  # the beta names; the GA ones below
 GA_FORMATS = {"audio/pcm": "pcm16", "audio/pcmu": "g711_ulaw", "audio/pcma": "g711_alaw"}
 NOISE_REDUCTION = ("near_field", "far_field")
+LOGPROBS = "item.input_audio_transcription.logprobs"  # the one `include` value: completed events carry them
 # Fields a client may send back as it received them (the session's own): accepted, and ignored.
 ECHOED = frozenset({"id", "object", "expires_at"})
 BETA_FIELDS = frozenset(
@@ -43,7 +44,8 @@ class SessionConfig:
     audio_format: str = "pcm16"  # one of FORMATS
     sample_rate: int = 24000  # pcm16's; G.711 is always 8 kHz
     vad: VadParams | None = field(default_factory=VadParams)  # None: the client commits turns itself
-    noise_reduction: str | None = None  # accepted and echoed; see docs/realtime.md
+    noise_reduction: str | None = None  # accepted and echoed; no suppressor runs (README, "Live audio")
+    logprobs: bool = False  # `include`s LOGPROBS
 
     @property
     def rate(self) -> int:
@@ -56,6 +58,9 @@ class SessionConfig:
     def _noise(self) -> dict[str, Any] | None:
         return None if self.noise_reduction is None else {"type": self.noise_reduction}
 
+    def _include(self) -> list[str]:
+        return [LOGPROBS] if self.logprobs else []
+
     def beta(self, session_id: str) -> dict[str, Any]:
         return {
             "id": session_id,
@@ -65,7 +70,7 @@ class SessionConfig:
             "input_audio_transcription": self._transcription(),
             "turn_detection": _vad_out(self.vad),
             "input_audio_noise_reduction": self._noise(),
-            "include": [],
+            "include": self._include(),
         }
 
     def ga(self, session_id: str) -> dict[str, Any]:
@@ -83,7 +88,7 @@ class SessionConfig:
                     "noise_reduction": self._noise(),
                 }
             },
-            "include": [],
+            "include": self._include(),
         }
 
 
@@ -125,11 +130,15 @@ def _noise_reduction(config: SessionConfig, raw: Any, param: str) -> SessionConf
     return replace(config, noise_reduction=kind)
 
 
-def _include(raw: Any, param: str) -> None:
+def _include(config: SessionConfig, raw: Any, param: str) -> SessionConfig:
+    if raw is None:
+        return replace(config, logprobs=False)
     if not isinstance(raw, list) or not all(isinstance(x, str) for x in raw):
         raise InvalidRequestError(f"{param} must be a list of strings", param)
-    if raw:
-        raise InvalidRequestError(f"{param}: {str(raw[0])[:64]!r} is not supported", param)
+    for value in raw:
+        if value != LOGPROBS:
+            raise InvalidRequestError(f"{param}: {value[:64]!r} is not supported; only {LOGPROBS!r}", param)
+    return replace(config, logprobs=bool(raw))
 
 
 def apply_update(config: SessionConfig, session: Any) -> SessionConfig:
@@ -157,7 +166,7 @@ def apply_update(config: SessionConfig, session: Any) -> SessionConfig:
     if "input_audio_noise_reduction" in session:
         config = _noise_reduction(config, session["input_audio_noise_reduction"], "session.input_audio_noise_reduction")
     if "include" in session:
-        _include(session["include"], "session.include")
+        config = _include(config, session["include"], "session.include")
     modalities = session.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise InvalidRequestError("a transcription session's modalities are ['text']", "session.modalities")
@@ -170,7 +179,7 @@ def _apply_ga(config: SessionConfig, session: dict[str, Any]) -> SessionConfig:
             "this server runs transcription sessions: session.type must be 'transcription'", "session.type"
         )
     if "include" in session:
-        _include(session["include"], "session.include")
+        config = _include(config, session["include"], "session.include")
     audio = _obj(session.get("audio") or {}, "session.audio", frozenset({"input"}))
     inp = _obj(audio.get("input") or {}, "session.audio.input")
     _obj(inp, "session.audio.input", frozenset({"format", "transcription", "turn_detection", "noise_reduction"}))

@@ -412,13 +412,13 @@ class RealtimeSession:
         if rest := _remainder(u.confirmed, text):
             self.emit(self._delta(u.item_id, rest))
         metrics = self.service.utterance_metrics(transcription, queue_ms, time.perf_counter() - u.closed_at)
-        self.emit(
-            {
-                "type": "conversation.item.input_audio_transcription.completed",
-                "item_id": u.item_id,
-                "content_index": 0,
-                "transcript": text,
-                "usage": {"type": "duration", "seconds": round(u.audio.size / SAMPLE_RATE, 3)},
-                "metrics": metrics,
-            }
-        )
+        completed: dict[str, Any] = {
+            "type": "conversation.item.input_audio_transcription.completed",
+            "item_id": u.item_id,
+            "content_index": 0,
+            "transcript": text,
+            "usage": {"type": "duration", "seconds": round(u.audio.size / SAMPLE_RATE, 3)},
+        }
+        if self.config.logprobs:
+            completed["logprobs"] = [p.to_dict() for p in transcription.logprobs]
+        self.emit({**completed, "metrics": metrics})

@@ -21,7 +21,7 @@ import numpy as np
 from app.api import errors
 from app.api.audio import SAMPLE_RATE, AudioError, AudioTooLongError, decode_audio
 from app.api.formats import FORMATS, to_srt, to_verbose_json, to_vtt
-from app.api.types import FALLBACK_TEMPERATURES, DecodingOptions, InvalidRequestError, Transcription
+from app.api.types import FALLBACK_TEMPERATURES, DecodingOptions, InvalidRequestError, Segment, Transcription
 from app.server.metrics import ServerMetrics
 from app.server.serving.chunking import CHUNK_SECONDS, Chunk, merge, normalized, plan
 from app.server.vad import SileroVad, VadParams, server_vad
@@ -59,6 +59,11 @@ class TranscriptionRequest:
     chunking_strategy: str | dict[str, Any] | None = None
     # openai-whisper's transcribe() options (ours: OpenAI's API has none of them), as sent; None: the default
     long_form: dict[str, str] = field(default_factory=dict)
+    include: tuple[str, ...] = ()  # "logprobs": each text token's log-probability in the answer
+
+    @property
+    def logprobs(self) -> bool:
+        return "logprobs" in self.include
 
 
 # openai-whisper's `transcribe()` options an upload may set (form fields of the same names).
@@ -114,6 +119,21 @@ def _long_form(raw: dict[str, str]) -> dict[str, Any]:
     return out
 
 
+def _delta(req: TranscriptionRequest, delta: str, segments: Sequence[Segment]) -> dict[str, Any]:
+    """A `transcript.text.delta` event: the new text, and its tokens' log-probabilities when asked for."""
+    event: dict[str, Any] = {"type": "transcript.text.delta", "delta": delta}
+    if req.logprobs:
+        event["logprobs"] = [p.to_dict() for s in segments for p in s.logprobs]
+    return event
+
+
+def _done(req: TranscriptionRequest, t: Transcription, metrics: dict[str, Any]) -> dict[str, Any]:
+    event: dict[str, Any] = {"type": "transcript.text.done", "text": t.text}
+    if req.logprobs:
+        event["logprobs"] = [p.to_dict() for p in t.logprobs]
+    return {**event, "metrics": metrics}
+
+
 class TooManySessions(Exception):
     """`realtime_max_sessions` live sessions are open already."""
 
@@ -143,6 +163,12 @@ class TranscriptionService:
         if req.stream and (granularities or req.response_format not in ("json", "text")):
             raise errors.bad_request(
                 "stream=true streams text: use response_format json or text, without timestamps", param="stream"
+            )
+        if not set(req.include) <= {"logprobs"}:
+            raise errors.bad_request("include[] may only be 'logprobs'", param="include[]")
+        if req.logprobs and req.response_format not in ("json", "verbose_json"):
+            raise errors.bad_request(
+                "include[]=logprobs needs response_format json (or verbose_json)", param="include[]"
             )
         if granularities and req.response_format != "verbose_json":
             raise errors.bad_request(
@@ -390,14 +416,14 @@ class TranscriptionService:
                     text = "".join(s.text for s in part[0].segments)  # as `merge` joins them
                     delta = text if sent else text.lstrip()
                     if delta.strip():
-                        yield {"type": "transcript.text.delta", "delta": delta}
+                        yield _delta(req, delta, part[0].segments)
                         sent = True
         except errors.ApiError as exc:
             yield {"type": "error", **exc.body()}
             return
         transcription = merge(chunks, [t for t, _ in parts], audio.size / SAMPLE_RATE, options.language)
         reply = self._reply(req, transcription, parts[0][1] if parts else 0.0, (time.perf_counter() - started) * 1000)
-        yield {"type": "transcript.text.done", "text": transcription.text, "metrics": reply.metrics}
+        yield _done(req, transcription, reply.metrics)
 
     async def _events(
         self, req: TranscriptionRequest, pending: Pending, started: float
@@ -421,7 +447,7 @@ class TranscriptionService:
                 delta = delta if sent else delta.lstrip()
                 if delta:
                     sent += delta
-                    yield {"type": "transcript.text.delta", "delta": delta}
+                    yield _delta(req, delta, segments)
             try:
                 transcription, queue_ms = await outcome
             except errors.ApiError as exc:
@@ -429,9 +455,9 @@ class TranscriptionService:
                 return
             text, confirmed = transcription.text, sent.strip()
             if text != confirmed and text.startswith(confirmed):
-                yield {"type": "transcript.text.delta", "delta": text[len(confirmed) :]}
+                yield _delta(req, text[len(confirmed) :], [])
             reply = self._reply(req, transcription, queue_ms, (time.perf_counter() - started) * 1000)
-            yield {"type": "transcript.text.done", "text": text, "metrics": reply.metrics}
+            yield _done(req, transcription, reply.metrics)
         finally:
             if not outcome.done():
                 outcome.cancel()
@@ -470,6 +496,8 @@ class TranscriptionService:
             body = to_verbose_json(t, req.task, words="word" in req.timestamp_granularities)
         else:
             body = {"text": t.text}
+        if req.logprobs:
+            body["logprobs"] = [p.to_dict() for p in t.logprobs]
         body["metrics"] = metrics
         return Reply(json.dumps(body, ensure_ascii=False), "application/json", metrics)
 
