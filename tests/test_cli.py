@@ -85,7 +85,7 @@ def test_subtitle_and_verbose_formats(benchdata: Path) -> None:
     assert vtt.stdout.startswith("WEBVTT\n\n00:00:00.000 --> ")
     verbose = run_app("transcribe", jfk, "--format", "verbose_json", "--timestamps", "word")
     body = json.loads(verbose.stdout)
-    assert body["task"] == "transcribe" and body["language"] == "en" and body["duration"] == 11.0
+    assert body["task"] == "transcribe" and body["language"] == "english" and body["duration"] == 11.0
     assert (
         len(body["segments"]) >= 2 and {"start", "end", "text", "tokens", "avg_logprob"} <= body["segments"][0].keys()
     )

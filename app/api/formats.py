@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from app.api.types import Transcription
@@ -30,11 +31,21 @@ def to_vtt(result: Transcription) -> str:
     return "WEBVTT\n\n" + "\n".join(cues)
 
 
+@functools.cache
+def language_name(code: str | None) -> str | None:
+    """Whisper's name for a language code, as OpenAI's `verbose_json` gives it: "en" -> "english"."""
+    if code is None:
+        return None
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES  # the table openai-whisper has
+
+    return LANGUAGES.get(code, code)
+
+
 def to_verbose_json(result: Transcription, task: str, words: bool) -> dict[str, Any]:
     """OpenAI's `verbose_json` shape."""
     body: dict[str, Any] = {
         "task": task,
-        "language": result.language,
+        "language": language_name(result.language),
         "duration": result.duration,
         "text": result.text,
         "segments": [
