@@ -230,6 +230,7 @@ def test_realtime_server_vad_at_24khz(server: ServerProcess, client: OpenAI, spe
         }
     )  # fmt: skip
     assert session.wait_for("session.updated")[0]["session"]["audio"]["input"]["format"]["rate"] == 24000
+    used_before = metric(server, "specwhisper_realtime_early_finals_total", 0.0, outcome="used")
     session.stream(pcm24k, 24000)
     completed = session.wait_for("conversation.item.input_audio_transcription.completed", count=2)
     started = session.wait_for("input_audio_buffer.speech_started", count=2)
@@ -243,6 +244,8 @@ def test_realtime_server_vad_at_24khz(server: ServerProcess, client: OpenAI, spe
     committed = session.wait_for("input_audio_buffer.committed", count=2)
     assert committed[1]["previous_item_id"] == committed[0]["item_id"]
     session.ws.close()
+    # Both finals were begun at the pause, before the VAD's stop (the same audio: what the stop would have sent).
+    assert metric(server, "specwhisper_realtime_early_finals_total", 0.0, outcome="used") - used_before >= 2
 
 
 GA_TYPES = {"pcm16": "audio/pcm", "g711_ulaw": "audio/pcmu", "g711_alaw": "audio/pcma"}

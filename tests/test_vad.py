@@ -67,9 +67,18 @@ def test_stream_reports_turns_as_regions_do(vad: SileroVad, clip: Callable[[str]
     events = []
     for i in range(0, audio.size, 1234):  # chunks that are no multiple of a frame
         events += stream.feed(audio[i : i + 1234])
-    kinds = [e.kind for e in events]
+    turns = [e for e in events if e.kind in ("start", "stop")]
+    kinds = [e.kind for e in turns]
     assert kinds == ["start", "stop"] * (len(kinds) // 2) and len(kinds) >= 4
     assert abs(events[0].sample - 3 * SR) < 0.3 * SR
+    # Each stop comes after a pause at the same sample (the silence it ends on began there, and nothing was
+    # heard since); a pause that speech followed is resumed before its turn goes on.
+    for i, event in enumerate(events):
+        if event.kind == "stop":
+            assert events[i - 1].kind == "pause" and events[i - 1].sample == event.sample, events[i - 1 : i + 1]
+        if event.kind == "pause" and i + 1 < len(events):
+            assert events[i + 1].kind in ("stop", "resume")
+    events = turns
     assert events[-1].sample <= audio.size and not stream.speaking
     # a second stream keeps its own state: fed silence, it hears nothing while the first is mid-speech
     first, second = vad.stream(params), vad.stream(params)

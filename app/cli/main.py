@@ -157,6 +157,23 @@ def _bench_audio(args: argparse.Namespace) -> int:
     return 0
 
 
+def _realtime_bench(args: argparse.Namespace) -> int:
+    from app.tools.realtimebench import run_realtime_bench
+
+    report = run_realtime_bench(
+        args.manifest,
+        [int(n) for n in args.sessions.split(",")],
+        args.formats.split(","),
+        args.clips,
+        args.silence_ms,
+        args.url,
+    )
+    print(json.dumps(report, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
 GPUBENCH_HELP = "per-step draft/verify/main costs with random large-v3 weights"
 
 
@@ -256,6 +273,18 @@ def build_parser() -> argparse.ArgumentParser:
     audio.add_argument("--threads", type=int, help="faster-whisper's CPU threads (default 2)")
     audio.add_argument("--json", type=Path, help="write the report here")
     audio.set_defaults(handler=_bench_audio)
+
+    live = commands.add_parser(
+        "realtimebench", help="live latency: clips streamed in real time over N Realtime sessions, p50/p95"
+    )
+    live.add_argument("--manifest", type=Path, default=default_manifest(), help="benchdata manifest.jsonl")
+    live.add_argument("--sessions", default="1,4,8", help="concurrent session counts (comma-separated)")
+    live.add_argument("--formats", default="pcm16,g711_ulaw", help="input formats (pcm16, g711_ulaw, g711_alaw)")
+    live.add_argument("--clips", type=int, default=6, help="English clips (3-15 s) each session streams in turn")
+    live.add_argument("--silence-ms", type=int, default=500, help="server VAD silence_duration_ms")
+    live.add_argument("--url", help="a running server (default: start one)")
+    live.add_argument("--json", type=Path, help="write the report here")
+    live.set_defaults(handler=_realtime_bench)
 
     gpu = commands.add_parser("gpubench", help=GPUBENCH_HELP, add_help=False)
     gpu.set_defaults(handler=_gpubench)

@@ -59,6 +59,12 @@ class ServerMetrics:
             registry=r,
         )
         self.realtime_partials = Counter("specwhisper_realtime_partials", "partial re-transcriptions", registry=r)
+        self.realtime_early_finals = Counter(
+            "specwhisper_realtime_early_finals",
+            "finals begun at a pause of the VAD: used (the silence lasted) or dropped (the speech went on)",
+            ["outcome"],
+            registry=r,
+        )
         self.realtime_errors = Counter(
             "specwhisper_realtime_errors", "error events sent to realtime clients", ["code"], registry=r
         )

@@ -27,6 +27,7 @@ from app.api.audio import SAMPLE_RATE
 from app.api.types import InvalidRequestError
 
 WINDOW = 512  # samples per Silero frame at 16 kHz (32 ms)
+PAUSE_MS = 200  # silence before a pause is reported (between-word gaps are shorter)
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ def _check(name: str, value: Any, low: float, high: float) -> None:
 class VadEvent:
     """A change of state at `sample` (16-kHz samples since the stream started)."""
 
-    kind: str  # "start" | "stop"
+    kind: str  # "start" | "stop" | "pause" | "resume"
     sample: int
 
 
@@ -152,8 +153,12 @@ class SpeechStream:
     """Turn detection over a live stream: feed 16-kHz audio in chunks of any size, get speech starts and stops.
 
     A start is reported once the speech has lasted `min_speech_duration_ms` (at the frame where it began); a stop when
-    `silence_duration_ms` of silence followed it (at the frame where the silence began). Padding is the
-    caller's: `prefix_padding_ms` is in `params` for it."""
+    `silence_duration_ms` of silence followed it (at the frame where the silence began). In between, a pause once
+    the silence has lasted `PAUSE_MS` (at most half `silence_duration_ms`), at the sample a stop would report,
+    and a resume if the speech goes on before the stop: a caller can start on the utterance's final
+    transcription at the pause, the rest of `silence_duration_ms` early (shorter gaps, between words, are no
+    pauses: each would cost a transcription).
+    Padding is the caller's: `prefix_padding_ms` is in `params` for it."""
 
     def __init__(self, vad: SileroVad, params: VadParams) -> None:
         from silero_vad import VADIterator
@@ -170,6 +175,8 @@ class SpeechStream:
         self._position = 0  # samples consumed into whole frames
         self._pending: int | None = None  # a start not yet long enough to report
         self.speaking = False
+        self.paused = False  # speaking, and silent since a pause
+        self._pause_after = min(PAUSE_MS, params.silence_duration_ms // 2) * SAMPLE_RATE // 1000
 
     def feed(self, audio: np.ndarray) -> list[VadEvent]:
         data = np.concatenate([self._rest, audio.astype(np.float32, copy=False)])
@@ -189,4 +196,13 @@ class SpeechStream:
             if self._pending is not None and self._position - self._pending >= min_speech:
                 events.append(VadEvent("start", self._pending))
                 self._pending, self.speaking = None, True
+            # Silero's iterator marks where the silence began (`temp_end`) until it ends the speech there or hears
+            # speech again; the stop it would report is that sample less one frame.
+            silent_since = int(getattr(self._iterator, "temp_end", 0) or 0)
+            paused = self.speaking and silent_since > 0 and self._position - silent_since >= self._pause_after
+            if paused and not self.paused:
+                events.append(VadEvent("pause", max(silent_since - WINDOW, 0)))
+            elif self.paused and not paused and self.speaking:
+                events.append(VadEvent("resume", self._position))
+            self.paused = paused
         return events

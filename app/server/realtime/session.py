@@ -30,7 +30,7 @@ import soxr
 
 from app.api import errors
 from app.api.audio import SAMPLE_RATE, AudioError, decode_raw
-from app.api.types import DecodingOptions, InvalidRequestError
+from app.api.types import DecodingOptions, InvalidRequestError, Transcription
 from app.server.realtime.config import SessionConfig, apply_update
 from app.server.serving.service import TranscriptionService
 from app.server.vad import SpeechStream
@@ -41,6 +41,12 @@ MIN_PARTIAL_S = 0.5
 OUTBOUND_LIMIT = 512  # queued server events; a client that stops reading is disconnected
 FINAL_RETRY_S = 0.2
 MAX_ECHO = 512  # longest error message / event id sent back to a client
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """Retrieve a dropped task's outcome, so that asyncio does not log it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _id(prefix: str) -> str:
@@ -75,6 +81,16 @@ class Utterance:
     audio: np.ndarray  # (samples,) float32 at 16 kHz
     closed_at: float  # perf_counter when its last audio arrived (commit, VAD stop or cut)
     confirmed: str  # text already sent as deltas
+    early: asyncio.Task[tuple[Transcription, float]] | None = None  # its final, begun when the silence began
+
+
+@dataclass
+class EarlyFinal:
+    """The open utterance's final transcription, begun at a pause of the VAD: the utterance up to `end`."""
+
+    item_id: str
+    end: int
+    task: asyncio.Task[tuple[Transcription, float]]
 
 
 class Closing(Exception):
@@ -134,6 +150,7 @@ class RealtimeSession:
         self._hypothesis: list[str] = []
         self._partial_at = 0  # buffer position of the last partial
         self._partial: asyncio.Task[None] | None = None
+        self._early: EarlyFinal | None = None
         self._finals: asyncio.Queue[Utterance] = asyncio.Queue()
         self._backlog_samples = 0  # closed utterances not yet completed
         self._final_task = asyncio.create_task(self._run_finals(), name=f"{self.id}-finals")
@@ -164,6 +181,11 @@ class RealtimeSession:
 
     async def aclose(self) -> None:
         """Free everything: pending partial and final transcriptions are cancelled."""
+        self._drop_early_final()
+        while not self._finals.empty():
+            if (early := self._finals.get_nowait().early) is not None:
+                early.cancel()
+                early.add_done_callback(_retrieve)
         for task in (self._partial, self._final_task):
             if task is not None:
                 task.cancel()
@@ -289,6 +311,10 @@ class RealtimeSession:
             elif change.kind == "stop" and self.item_id is not None:
                 self.emit({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": ms, "item_id": self.item_id})
                 self._close_item(change.sample)
+            elif change.kind == "pause" and self.item_id is not None:
+                self._begin_early_final(change.sample)
+            elif change.kind == "resume":
+                self._drop_early_final()
         if self.item_id is None:  # keep only the pre-roll that a coming utterance may need
             self.buffer.drop_before(self.buffer.end - padding)
 
@@ -314,10 +340,37 @@ class RealtimeSession:
         if self._partial is not None:
             self._partial.cancel()
             self._partial = None
+        self._drop_early_final()
+
+    def _begin_early_final(self, end: int) -> None:
+        """The speaker paused: transcribe the utterance up to `end` now, as its final would be if the silence
+        lasts (`silence_duration_ms`); the stop then finds it done or under way, not yet to begin."""
+        assert self.item_id is not None
+        self._drop_early_final()
+        if end - self.item_start < MIN_PARTIAL_S * SAMPLE_RATE:
+            return
+        if self._partial is not None:  # the final supersedes it
+            self._partial.cancel()
+            self._partial = None
+        audio = self.buffer.slice(self.item_start, end)
+        task = asyncio.create_task(self.service.transcribe_live(audio, self._options(), final=True))
+        self._early = EarlyFinal(self.item_id, end, task)
+
+    def _drop_early_final(self) -> None:
+        """The speech went on (or the utterance was closed elsewhere or dropped): the early final is moot."""
+        if self._early is not None:
+            self._early.task.cancel()
+            self._early.task.add_done_callback(_retrieve)
+            self._early = None
+            self.service.early_final(used=False)
 
     def _close_item(self, end: int) -> None:
         assert self.item_id is not None
         item_id, audio, confirmed = self.item_id, self.buffer.slice(self.item_start, end), self.confirmed
+        early = None
+        if self._early is not None and (self._early.item_id, self._early.end) == (item_id, end):
+            early, self._early = self._early.task, None  # the same audio: its final is the early one
+            self.service.early_final(used=True)
         self._drop_open_item()
         self.buffer.drop_before(end)
         self.emit(
@@ -325,7 +378,7 @@ class RealtimeSession:
         )
         self.previous_item_id = item_id
         self._backlog_samples += audio.size
-        self._finals.put_nowait(Utterance(item_id, audio, time.perf_counter(), confirmed))
+        self._finals.put_nowait(Utterance(item_id, audio, time.perf_counter(), confirmed, early))
 
     # -- transcription -------------------------------------------------------------------------------
     def _options(self) -> DecodingOptions:
@@ -334,7 +387,7 @@ class RealtimeSession:
 
     def _maybe_partial(self) -> None:
         interval = int(self.settings.realtime_partial_interval_s * SAMPLE_RATE)
-        if self._partial is not None or self.buffer.end - self._partial_at < interval:
+        if self._partial is not None or self._early is not None or self.buffer.end - self._partial_at < interval:
             return
         if self.buffer.end - self.item_start < MIN_PARTIAL_S * SAMPLE_RATE:
             return
@@ -393,7 +446,11 @@ class RealtimeSession:
         deadline = time.perf_counter() + self.settings.request_timeout_s
         while True:
             try:
-                transcription, queue_ms = await self.service.transcribe_live(u.audio, self._options(), final=True)
+                if u.early is not None:
+                    early, u.early = u.early, None
+                    transcription, queue_ms = await early  # begun at the pause, on the same audio
+                else:
+                    transcription, queue_ms = await self.service.transcribe_live(u.audio, self._options(), final=True)
                 break
             except errors.ApiError as exc:
                 if exc.status in (429, 503) and time.perf_counter() < deadline:

@@ -301,6 +301,10 @@ class TranscriptionService:
         self.metrics.utterance_latency.observe(latency_s)
         return {**self.request_metrics(t, queue_ms, latency_s * 1000), "latency_ms": round(latency_s * 1000, 2)}
 
+    def early_final(self, used: bool) -> None:
+        """Count a live final begun at a pause: `used` as the utterance's final, or dropped."""
+        self.metrics.realtime_early_finals.labels(outcome="used" if used else "dropped").inc()
+
     def live_error(self, code: str) -> None:
         """Count an error event sent to a live client."""
         self.metrics.realtime_errors.labels(code=code).inc()

@@ -1,0 +1,169 @@
+"""Live latency, measured: clips streamed in real time over N concurrent Realtime sessions.
+
+`python -m app realtimebench` starts a server (or uses `--url`) and, for each session count (1, 4, 8) and
+input format (pcm16 at 24 kHz, G.711 mu-law at 8 kHz), opens that many transcription sessions with server VAD
+(`silence_duration_ms` 500 by default). Each session streams the same English clips in turn, in 20-ms appends
+paced at real time, each clip between 1 s of silence before and 1.5 s after. Per clip it records, against the
+moment the clip's last sample was sent (the end of speech as the speaker sees it): when `speech_stopped`
+arrived, when the last `...transcription.completed` of the clip's speech arrived; and, from its first sample,
+when its first `...transcription.delta` arrived. It reports p50/p95 of each and the WER of the finals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import soundfile as sf
+import soxr
+
+from app.api.audio import SAMPLE_RATE, load_audio
+from app.tools.bench import error_rate
+from app.tools.manifest import ManifestClip, read_manifest
+from app.tools.process import ServerProcess
+
+STEP_S = 0.02
+LEAD_S, TAIL_S = 1.0, 1.5
+FORMATS = ("pcm16", "g711_ulaw")
+
+
+def encode(audio: np.ndarray, audio_format: str) -> tuple[bytes, int]:
+    """16-kHz samples as a client sends them: (bytes, bytes per second)."""
+    if audio_format == "pcm16":
+        up = soxr.resample(audio, SAMPLE_RATE, 24000)
+        return (np.clip(up, -1, 32767 / 32768) * 32768).round().astype("<i2").tobytes(), 48000
+    out = io.BytesIO()
+    subtype = {"g711_ulaw": "ULAW", "g711_alaw": "ALAW"}[audio_format]
+    sf.write(out, soxr.resample(audio, SAMPLE_RATE, 8000), 8000, format="RAW", subtype=subtype)
+    return out.getvalue(), 8000
+
+
+@dataclass
+class ClipRun:
+    reference: str
+    start_ms: float  # the clip's speech in the session's audio (ms)
+    end_ms: float
+    speech_start: float = 0.0  # perf_counter when its first / last sample was sent
+    speech_end: float = 0.0
+    stopped: float | None = None
+    completed: float | None = None
+    first_delta: float | None = None
+    texts: list[str] = field(default_factory=list)
+
+
+async def _session(url: str, clips: list[tuple[np.ndarray, str]], audio_format: str, silence_ms: int) -> list[ClipRun]:
+    import websockets
+
+    runs: list[ClipRun] = []
+    position_ms = 0.0
+    items: dict[str, ClipRun] = {}  # item id -> the clip its speech started in
+    async with websockets.connect(
+        url.replace("http://", "ws://") + "/v1/realtime?intent=transcription", max_size=None
+    ) as ws:
+        await ws.recv()
+        vad = {"type": "server_vad", "silence_duration_ms": silence_ms}
+        update = {"input_audio_format": audio_format, "turn_detection": vad,
+                  "input_audio_transcription": {"model": "whisper-1", "language": "en"}}  # fmt: skip
+        await ws.send(json.dumps({"type": "transcription_session.update", "session": update}))
+        while json.loads(await ws.recv())["type"] != "transcription_session.updated":
+            pass
+        finished = asyncio.Event()
+        expected = len(clips)
+
+        async def read() -> None:
+            async for message in ws:
+                now = time.perf_counter()
+                event = json.loads(message)
+                kind = event["type"]
+                if kind == "error":
+                    raise RuntimeError(event["error"])
+                if kind == "input_audio_buffer.speech_started":
+                    at = event["audio_start_ms"]
+                    items[event["item_id"]] = next((r for r in runs if r.start_ms - 500 <= at < r.end_ms), runs[-1])
+                run = items.get(event.get("item_id", ""))
+                if run is None:
+                    continue
+                if kind == "input_audio_buffer.speech_stopped":
+                    run.stopped = now
+                elif kind.endswith("transcription.delta") and run.first_delta is None:
+                    run.first_delta = now
+                elif kind.endswith("transcription.completed"):
+                    run.completed = now
+                    run.texts.append(event["transcript"])
+                    if run is runs[-1] and len(runs) == expected and run.stopped is not None:
+                        finished.set()
+
+        reader = asyncio.create_task(read())
+        for audio, reference in clips:
+            lead, tail = (np.zeros(int(s * SAMPLE_RATE), np.float32) for s in (LEAD_S, TAIL_S))
+            data, rate = encode(np.concatenate([lead, audio, tail]), audio_format)
+            speech_s = audio.size / SAMPLE_RATE
+            run = ClipRun(reference, position_ms + LEAD_S * 1000, position_ms + (LEAD_S + speech_s) * 1000)
+            runs.append(run)
+            width = 2 if audio_format == "pcm16" else 1  # bytes a sample
+            step = int(rate * STEP_S) // width * width
+            began = time.perf_counter()
+            for k, offset in enumerate(range(0, len(data), step)):
+                await asyncio.sleep(max(0.0, began + k * STEP_S - time.perf_counter()))
+                chunk = base64.b64encode(data[offset : offset + step]).decode()
+                await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+                sent_s = (offset + step) / rate
+                if run.speech_start == 0.0 and sent_s >= LEAD_S:
+                    run.speech_start = time.perf_counter()
+                if run.speech_end == 0.0 and sent_s >= LEAD_S + speech_s:
+                    run.speech_end = time.perf_counter()
+            position_ms += len(data) / rate * 1000
+        try:
+            await asyncio.wait_for(finished.wait(), timeout=60)
+        finally:
+            reader.cancel()
+    return runs
+
+
+def _pct(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p95": None, "n": 0}
+    ordered = sorted(values)
+    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+    return {"p50": round(statistics.median(ordered), 3), "p95": round(p95, 3), "n": len(ordered)}
+
+
+async def _level(
+    url: str, clips: list[tuple[np.ndarray, str]], sessions: int, fmt: str, silence_ms: int
+) -> dict[str, Any]:
+    results = await asyncio.gather(*(_session(url, clips, fmt, silence_ms) for _ in range(sessions)))
+    runs = [r for session in results for r in session]
+    return {
+        "sessions": sessions,
+        "format": fmt,
+        "speech_end_to_speech_stopped_s": _pct([r.stopped - r.speech_end for r in runs if r.stopped]),
+        "speech_end_to_completed_s": _pct([r.completed - r.speech_end for r in runs if r.completed]),
+        "speech_start_to_first_delta_s": _pct([r.first_delta - r.speech_start for r in runs if r.first_delta]),
+        "missing_finals": sum(r.completed is None for r in runs),
+        "wer": round(error_rate([(r.reference, " ".join(r.texts), "en") for r in runs]), 4),
+    }
+
+
+def run_realtime_bench(
+    manifest: Path, sessions: list[int], formats: list[str], n_clips: int, silence_ms: int, url: str | None
+) -> dict[str, Any]:
+    entries: list[ManifestClip] = read_manifest(manifest)
+    english = [c for c in entries if c.language == "en" and c.subset == "short" and 3 <= c.duration_s <= 15]
+    clips = [(load_audio(c.audio), c.text) for c in english[:n_clips]]
+    server = None if url else ServerProcess().start()
+    base = url or (server.url if server else "")
+    try:
+        asyncio.run(_level(base, clips[:1], 1, formats[0], silence_ms))  # warm-up: first calls pay one-off costs
+        levels = [asyncio.run(_level(base, clips, n, fmt, silence_ms)) for n in sessions for fmt in formats]
+        return {"silence_duration_ms": silence_ms, "clips": len(clips), "levels": levels}
+    finally:
+        if server is not None:
+            server.stop()
