@@ -3,7 +3,9 @@
 `python -m app realtimebench` starts a server (or uses `--url`) and, for each session count (1, 4, 8) and
 input format (pcm16 at 24 kHz, G.711 mu-law at 8 kHz), opens that many transcription sessions with server VAD
 (`silence_duration_ms` 500 by default). Each session streams the same English clips in turn, in 20-ms appends
-paced at real time, each clip between 1 s of silence before and 1.5 s after. Per clip it records, against the
+paced at real time, each clip between 1 s of silence before and 1.5 s after; the sessions start spread over
+one clip's period (as independent callers would; started together, every utterance would end at the same
+moment and the finals would come as one burst). Per clip it records, against the
 moment the clip's last sample was sent (the end of speech as the speaker sees it): when `speech_stopped`
 arrived, when the last `...transcription.completed` of the clip's speech arrived; and, from its first sample,
 when its first `...transcription.delta` arrived. It reports p50/p95 of each and the WER of the finals.
@@ -59,9 +61,12 @@ class ClipRun:
     texts: list[str] = field(default_factory=list)
 
 
-async def _session(url: str, clips: list[tuple[np.ndarray, str]], audio_format: str, silence_ms: int) -> list[ClipRun]:
+async def _session(
+    url: str, clips: list[tuple[np.ndarray, str]], audio_format: str, silence_ms: int, delay: float = 0.0
+) -> list[ClipRun]:
     import websockets
 
+    await asyncio.sleep(delay)
     runs: list[ClipRun] = []
     position_ms = 0.0
     items: dict[str, ClipRun] = {}  # item id -> the clip its speech started in
@@ -139,7 +144,10 @@ def _pct(values: list[float]) -> dict[str, float | None]:
 async def _level(
     url: str, clips: list[tuple[np.ndarray, str]], sessions: int, fmt: str, silence_ms: int
 ) -> dict[str, Any]:
-    results = await asyncio.gather(*(_session(url, clips, fmt, silence_ms) for _ in range(sessions)))
+    period = LEAD_S + TAIL_S + statistics.mean(a.size for a, _ in clips) / SAMPLE_RATE
+    results = await asyncio.gather(
+        *(_session(url, clips, fmt, silence_ms, delay=i * period / sessions) for i in range(sessions))
+    )
     runs = [r for session in results for r in session]
     return {
         "sessions": sessions,

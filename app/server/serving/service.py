@@ -301,6 +301,11 @@ class TranscriptionService:
         self.metrics.utterance_latency.observe(latency_s)
         return {**self.request_metrics(t, queue_ms, latency_s * 1000), "latency_ms": round(latency_s * 1000, 2)}
 
+    @property
+    def finals_waiting(self) -> bool:
+        """Whether anything waits for the worker: a partial (best effort) would only delay it, or finals."""
+        return self.batcher.depth > 0
+
     def early_final(self, used: bool) -> None:
         """Count a live final begun at a pause: `used` as the utterance's final, or dropped."""
         self.metrics.realtime_early_finals.labels(outcome="used" if used else "dropped").inc()

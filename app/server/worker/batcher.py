@@ -114,11 +114,14 @@ class Batcher:
         return pending
 
     def _take(self) -> Pending | None:
-        """The next request by lane priority; cancelled requests are dropped before they cost work."""
+        """The next request by lane priority (a partial that waited over `partial_max_wait_s` goes before
+        uploads, never before a finished utterance); cancelled requests are dropped before they cost work."""
         for q in self.lanes.values():
             while q and q[0].future.done():
                 q.popleft()
                 self.metrics.queue_dropped.inc()
+        if self.lanes[Lane.LIVE_FINAL]:
+            return self.lanes[Lane.LIVE_FINAL].popleft()
         partials = self.lanes[Lane.LIVE_PARTIAL]
         if partials and time.perf_counter() - partials[0].enqueued > self.partial_max_wait_s:
             return partials.popleft()
