@@ -435,3 +435,15 @@ def test_realtime_auth_and_backlog_limit(strict_server: ServerProcess, speech: n
     browser.stream(speech[: 16000 * 8], 16000, speedup=100)  # 8 s at once: over the 5-s backlog
     assert browser.wait_for("error")[0]["error"]["code"] == "input_audio_buffer_overflow"
     assert browser.closed.wait(10) and browser.ws.close_code == 1008
+
+
+def test_realtimebench_measures_a_live_session(server: ServerProcess, benchdata: Path) -> None:
+    """`python -m app realtimebench`'s measurement on a running server: one A-law session, one clip in real time;
+    every clip gets its final, and each figure it reports is there."""
+    from app.tools.realtimebench import run_realtime_bench
+
+    report = run_realtime_bench(benchdata / "manifest.jsonl", [1], ["g711_alaw"], 1, 500, server.url)
+    (level,) = report["levels"]
+    assert level["missing_finals"] == 0 and level["wer"] <= 0.3, level
+    for figure in ("speech_end_to_speech_stopped_s", "speech_end_to_completed_s", "speech_start_to_first_delta_s"):
+        assert level[figure]["n"] == 1 and level[figure]["p50"] > 0, level
