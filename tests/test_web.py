@@ -91,6 +91,16 @@ def test_upload_shows_transcript_metrics_and_comparison(page: Page, benchdata: P
     shot(page, "upload")
 
 
+def test_translation_upload(page: Page, benchdata: Path) -> None:
+    """The page's translation task sends only what /v1/audio/translations knows (it refuses other fields)."""
+    page.set_input_files("#file-input", str(benchdata / CLIP))
+    page.select_option("#upload-task", "translations")
+    page.locator("#compare").uncheck()
+    page.get_by_role("button", name="Transcribe").click()
+    expect(page.locator("#transcript")).to_contain_text("Printing", timeout=180_000)
+    expect(page.get_by_role("alert")).to_have_count(0)
+
+
 def test_api_errors_are_shown(page: Page, tmp_path: Path) -> None:
     bogus = tmp_path / "notes.wav"
     bogus.write_bytes(b"this is not audio at all")

@@ -47,10 +47,11 @@ async function transcribe(file, speculative) {
   form.append("file", file);
   form.append("model", "whisper-1");
   form.append("response_format", "verbose_json");
-  form.append("timestamp_granularities[]", "segment");
   form.append("speculative", speculative ? "true" : "false");
   const task = $("upload-task").value;
   const language = $("upload-language").value;
+  // Translations take neither (the server refuses fields an endpoint does not know); verbose_json has segments.
+  if (task === "transcriptions") form.append("timestamp_granularities[]", "segment");
   if (language && task === "transcriptions") form.append("language", language);
   const response = await fetch(`/v1/audio/${task}`, { method: "POST", body: form, headers: authHeaders() });
   if (!response.ok) throw new Error(await apiError(response));
