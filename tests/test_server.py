@@ -80,6 +80,7 @@ def test_errors_use_openai_shape(server: ServerProcess, jfk: bytes) -> None:
     url = f"{server.url}/v1/audio/transcriptions"
     cases = [
         ({"model": "whisper-9"}, {"file": ("a.wav", jfk)}, 404, "model_not_found"),
+        ({"model": "gpt-4o-transcribe"}, {"file": ("a.wav", jfk)}, 404, "model_not_found"),  # as realtime refuses it
         ({"model": "whisper-1"}, None, 400, None),
         ({"model": "whisper-1"}, {"file": ("a.wav", b"")}, 400, "empty_file"),
         ({"model": "whisper-1"}, {"file": ("a.wav", b"RIFF....WAVEfmt garbage")}, 400, "invalid_audio"),

@@ -375,7 +375,12 @@ def test_realtime_bad_events_get_errors_and_others_keep_working(server: ServerPr
     bad.ws.send(b"\x00\x01binary")
     bad.send({"type": "input_audio_buffer.commit"})
     bad.send({"type": "transcription_session.update", "session": {"input_audio_format": "g729"}})
-    bad.send({"type": "transcription_session.update", "session": {"input_audio_transcription": {"model": "nope"}}})
+    bad.send(
+        {
+            "type": "transcription_session.update",
+            "session": {"input_audio_transcription": {"model": "gpt-4o-transcribe"}},
+        }
+    )
     bad.send({"type": "no.such.event", "event_id": {"not": "a string"}})
     errors = bad.wait_for("error", count=8)
     codes = [e["error"]["code"] for e in errors]
