@@ -57,7 +57,7 @@ def test_openai_client_formats(client: OpenAI, jfk: bytes) -> None:
         timestamp_granularities=["word", "segment"],
         language="en",
     )
-    assert verbose.language == "en" and verbose.duration == pytest.approx(11.0)
+    assert verbose.language == "english" and verbose.duration == pytest.approx(11.0)
     assert verbose.segments and verbose.segments[0].start == 0.0
     assert verbose.words and verbose.words[0].word == "And"
 
