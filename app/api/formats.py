@@ -32,13 +32,17 @@ def to_vtt(result: Transcription) -> str:
 
 
 @functools.cache
-def language_name(code: str | None) -> str | None:
-    """Whisper's name for a language code, as OpenAI's `verbose_json` gives it: "en" -> "english"."""
-    if code is None:
-        return None
-    from transformers.models.whisper.tokenization_whisper import LANGUAGES  # the table openai-whisper has
+def language_names() -> dict[str, str]:
+    """Whisper's language names by code (the table openai-whisper has). Its first call imports transformers
+    (~0.2-1.5 s): a server makes it at start-up, off the event loop."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
-    return LANGUAGES.get(code, code)
+    return dict(LANGUAGES)
+
+
+def language_name(code: str | None) -> str | None:
+    """A language code's name, as OpenAI's `verbose_json` gives it: "en" -> "english"."""
+    return None if code is None else language_names().get(code, code)
 
 
 def to_verbose_json(result: Transcription, task: str, words: bool) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.api import errors
 from app.api.audio import SAMPLE_RATE
+from app.api.formats import language_names
 from app.server.http.auth import authorized, bearer
 from app.server.http.limits import BodyLimit, ClientGone
 from app.server.http.redact import install as redact_logs
@@ -47,9 +48,16 @@ def _label(value: str | int | bool | None) -> str:
     return str(value)
 
 
-def _report_vad_failure(task: asyncio.Future[SileroVad]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("the VAD (silero-vad) could not be loaded: %s", task.exception())
+def _load_in_background(load: Callable[[], object], what: str) -> asyncio.Future[object]:
+    """`load()` in a thread, its failure logged: what the server loads while it already answers."""
+
+    def report(task: asyncio.Future[object]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s could not be loaded: %s", what, task.exception())
+
+    task = asyncio.ensure_future(asyncio.to_thread(load))
+    task.add_done_callback(report)
+    return task
 
 
 def _error_response(err: errors.ApiError) -> JSONResponse:
@@ -92,14 +100,18 @@ def create_app(settings: Settings | None = None, *, on_fatal: Callable[[str], No
         app.state.status = ServerStatus(worker, batcher, metrics, service)
         worker.start()
         batcher.start()
-        # While the worker loads its models (readiness waits for both); the server answers meanwhile.
-        vad_loading = asyncio.ensure_future(asyncio.to_thread(vad.load))
-        vad_loading.add_done_callback(_report_vad_failure)
+        # While the worker loads its models (readiness waits for the VAD too); the server answers meanwhile.
+        # verbose_json's language names come from transformers, whose import would stall the event loop.
+        loading = [
+            _load_in_background(vad.load, "the VAD (silero-vad)"),
+            _load_in_background(language_names, "the language names (transformers)"),
+        ]
         try:
             yield
         finally:
-            if not vad_loading.done():
-                vad_loading.cancel()
+            for task in loading:
+                if not task.done():
+                    task.cancel()
             log.info("shutting down: draining in-flight work (up to %.0f s)", settings.shutdown_timeout_s)
             await batcher.drain(settings.shutdown_timeout_s)
             await worker.stop()

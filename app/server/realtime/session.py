@@ -389,7 +389,7 @@ class RealtimeSession:
         interval = int(self.settings.realtime_partial_interval_s * SAMPLE_RATE)
         if self._partial is not None or self._early is not None or self.buffer.end - self._partial_at < interval:
             return
-        if self.service.finals_waiting:  # a finished utterance goes first; this one's partial can wait
+        if self.service.work_queued:  # finals and uploads go first; this utterance's partial can wait
             return
         if self.buffer.end - self.item_start < MIN_PARTIAL_S * SAMPLE_RATE:
             return

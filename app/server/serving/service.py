@@ -302,8 +302,8 @@ class TranscriptionService:
         return {**self.request_metrics(t, queue_ms, latency_s * 1000), "latency_ms": round(latency_s * 1000, 2)}
 
     @property
-    def finals_waiting(self) -> bool:
-        """Whether anything waits for the worker: a partial (best effort) would only delay it, or finals."""
+    def work_queued(self) -> bool:
+        """Whether any job waits for the worker (a live partial, best effort, would only delay it)."""
         return self.batcher.depth > 0
 
     def early_final(self, used: bool) -> None:
