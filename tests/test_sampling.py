@@ -11,6 +11,7 @@ from scipy.stats import chi2_contingency
 
 from app.engine.decoding.batch import Row
 from app.engine.decoding.logits import LogitRules, SuppressTokens
+from app.engine.decoding.search import Greedy
 from app.engine.drafting.base import DraftInputs, DraftLength
 from app.engine.drafting.decoder import DecoderDrafter
 from app.engine.generate import decode
@@ -63,7 +64,7 @@ def _draws(main: WhisperModel, draft: TextDecoder | None, seed: int) -> tuple[np
         if draft is not None:
             drafter = DecoderDrafter("noisy", draft, "main-encoder", length=DraftLength(initial=2, adaptive=False))
             session = drafter.start(DraftInputs(torch.zeros(ROWS, 80, 1), out, cross))
-        for d in decode(main, cross, rows, session):
+        for d in decode(main, cross, list(range(ROWS)), [Greedy(row) for row in rows], session):
             pairs.append(d.tokens)
             drafted += d.stats.drafted
             accepted += d.stats.accepted

@@ -40,6 +40,7 @@ class TokenLogprob:
 TimestampMode = Literal["none", "segment", "word"]
 TIMESTAMP_MODES: tuple[str, ...] = ("none", "segment", "word")
 FALLBACK_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+MAX_BEAM = 16  # the most hypotheses (beam_size) or samples (best_of) a request may ask for
 
 
 class InvalidRequestError(ValueError):
@@ -55,7 +56,13 @@ class DecodingOptions:
     """Per-request decoding options, validated when built.
 
     temperature: one value, or a ladder tried in order when a window fails the
-    compression-ratio / log-probability checks (OpenAI's fallback). 0 is greedy.
+    compression-ratio / log-probability checks (OpenAI's fallback). 0 is greedy, or beam search with
+    `beam_size` > 1; above 0 each window samples `best_of` candidates and keeps the best ranked.
+
+    Beam search is openai-whisper's: `beam_size` hypotheses, finished ones collected until there are
+    round(beam_size * patience), ranked by summed log-probability over length (`length_penalty` None)
+    or over Google NMT's ((5 + length) / 6) ** length_penalty. best_of None: beam_size (as openai-whisper's
+    and faster-whisper's command lines pair them), so 1 for greedy decoding.
     """
 
     language: str | None = None
@@ -73,6 +80,10 @@ class DecodingOptions:
     clip_timestamps: tuple[float, ...] = ()
     # with word alignment, skip silences longer than this (s) around words that look made up (OpenAI's option)
     hallucination_silence_threshold: float | None = None
+    beam_size: int = 1  # 1: greedy
+    patience: float | None = None
+    length_penalty: float | None = None
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -98,11 +109,32 @@ class DecodingOptions:
                 raise InvalidRequestError(f"{name} must be a non-negative number", name)
         if self.logprob_threshold is not None and not -1e6 < self.logprob_threshold <= 0:
             raise InvalidRequestError("logprob_threshold must be a log-probability (at most 0)", "logprob_threshold")
+        if not 1 <= self.beam_size <= MAX_BEAM:
+            raise InvalidRequestError(f"beam_size must be within 1..{MAX_BEAM} (1: greedy)", "beam_size")
+        if self.best_of is not None and not 1 <= self.best_of <= MAX_BEAM:
+            raise InvalidRequestError(f"best_of must be within 1..{MAX_BEAM}", "best_of")
+        if self.patience is not None:
+            if self.beam_size == 1:
+                raise InvalidRequestError("patience needs beam search (beam_size above 1)", "patience")
+            if not 0 < self.patience <= 10 or round(self.beam_size * self.patience) < 1:
+                raise InvalidRequestError("patience must be above 0 (at most 10) and keep one candidate", "patience")
+        if self.length_penalty is not None and not 0 <= self.length_penalty <= 2:
+            raise InvalidRequestError("length_penalty must be within 0..2", "length_penalty")
 
     @property
     def temperatures(self) -> tuple[float, ...]:
         t = self.temperature
         return (float(t),) if isinstance(t, (int, float)) else tuple(float(x) for x in t)
+
+    @property
+    def candidates(self) -> int:
+        """How many samples a window decoded above temperature 0 draws (`best_of`, by default `beam_size`)."""
+        return self.best_of if self.best_of is not None else self.beam_size
+
+    @property
+    def decoding(self) -> str:
+        """What decodes a window at temperature 0: "greedy" or "beam"."""
+        return "beam" if self.beam_size > 1 else "greedy"
 
 
 @dataclass(frozen=True)
@@ -124,6 +156,8 @@ class Metrics:
     speculative: bool
     batch_size: int
     windows: int
+    decoding: str = "greedy"  # at temperature 0: "greedy" or "beam"
+    beam_size: int = 1
 
     def to_dict(self) -> dict[str, float | int | bool]:
         return asdict(self)

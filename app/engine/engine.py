@@ -21,8 +21,9 @@ from app.api.types import DecodingOptions, InvalidRequestError, Segment, Transcr
 from app.engine.alignment import align_words
 from app.engine.decoding.batch import Row
 from app.engine.decoding.logits import whisper_rules
+from app.engine.decoding.search import BeamOptions, BeamSearch, Decoded, Greedy, RowStats, Search, rank
 from app.engine.drafting.base import Drafter, DraftInputs
-from app.engine.generate import Decoded, decode, detect_language
+from app.engine.generate import decode, detect_language
 from app.engine.invariance import decoder_is_batch_invariant
 from app.engine.longform import SAMPLE_LEN, LongFormJob
 from app.model.decoder import CrossKV
@@ -155,7 +156,7 @@ class Engine:
                 for use in (True, False) if self.drafter is not None else (False,):
                     options = DecodingOptions(language="en", use_assistant=use)
                     jobs = [self._job(tone, options) for _ in range(batch)]
-                    self._decode(jobs, [0.0] * batch, inputs.main_cross, inputs, torch.arange(batch))
+                    self._decode(jobs, [0.0] * batch, inputs, list(range(batch)))
             self.check_batch_invariance(encoder_out, rows=max(sizes))
         return sizes
 
@@ -222,9 +223,7 @@ class Engine:
             if not pending:
                 break
             temps = [jobs[i].options.temperatures[attempt] for i in pending]
-            index = torch.tensor(pending)
-            sub_cross = cross if len(pending) == len(jobs) else cross.select(index)
-            decoded = self._decode([jobs[i] for i in pending], temps, sub_cross, session_inputs, index, heartbeat)
+            decoded = self._decode([jobs[i] for i in pending], temps, session_inputs, pending, heartbeat)
             retry = []
             for i, d, t in zip(pending, decoded, temps, strict=True):
                 jobs[i].counters.decoding.add(d.stats)
@@ -245,25 +244,50 @@ class Engine:
         self,
         jobs: list[LongFormJob],
         temps: list[float],
-        cross: CrossKV,
         inputs: DraftInputs,
-        index: torch.Tensor,
+        rows: list[int],
         heartbeat: Callable[[], None] | None = None,
     ) -> list[Decoded]:
-        rows = [self._row(job, t) for job, t in zip(jobs, temps, strict=True)]
-        session = None
-        if self.drafter is not None and any(row.draft for row in rows):
-            if len(jobs) != inputs.features.shape[0]:
+        """Decode jobs[k] at temps[k]; its audio is row rows[k] of the window's `inputs`."""
+        searches: list[Search] = []
+        audio: list[int] = []
+        owner: list[int] = []
+        for k, (job, t) in enumerate(zip(jobs, temps, strict=True)):
+            for search in self._searches(job, t):
+                searches.append(search)
+                audio.append(rows[k])
+                owner.append(k)
+        cross, session = inputs.main_cross, None
+        drafted = [a for a, s in zip(audio, searches, strict=True) if isinstance(s, Greedy)]
+        if self.drafter is not None and any(s.rows[0].draft for s in searches if isinstance(s, Greedy)):
+            if drafted != list(range(inputs.features.shape[0])):
+                index = torch.tensor(drafted)
                 inputs = replace(
                     inputs,
                     features=inputs.features.index_select(0, index),
                     encoder_out=inputs.encoder_out.index_select(0, index),
-                    main_cross=cross,
+                    main_cross=inputs.main_cross.rows(drafted),
                 )
-            session = self.drafter.start(replace(inputs, capacity=max(row.max_len for row in rows)))
-        return decode(self.main, cross, rows, session, heartbeat)
+            capacity = max(s.rows[0].max_len for s in searches)
+            session = self.drafter.start(replace(inputs, capacity=capacity))
+        decoded = decode(self.main, cross, audio, searches, session, heartbeat)
+        out = []
+        for k, job in enumerate(jobs):
+            mine = [d for d, o in zip(decoded, owner, strict=True) if o == k]
+            out.append(mine[0] if len(mine) == 1 else _best_of(mine, job.options.length_penalty))
+        return out
 
-    def _row(self, job: LongFormJob, temperature: float) -> Row:
+    def _searches(self, job: LongFormJob, temperature: float) -> list[Search]:
+        """How a window of `job` decodes at `temperature`: beam search at 0 with beam_size above 1, else greedy
+        decoding; above 0, `candidates` samples (each with its own noise) of which the best ranked is kept."""
+        opts = job.options
+        if temperature == 0 and opts.beam_size > 1:
+            options = BeamOptions(opts.beam_size, opts.patience, opts.length_penalty)
+            return [BeamSearch.start(self._row(job, temperature, draft=False), options)]
+        n = opts.candidates if temperature > 0 else 1
+        return [Greedy(self._row(job, temperature, candidate=c)) for c in range(n)]
+
+    def _row(self, job: LongFormJob, temperature: float, candidate: int = 0, draft: bool = True) -> Row:
         tok = self.main.tokenizer
         prompt: list[int] = []
         context = job.context()
@@ -272,15 +296,16 @@ class Engine:
         sot_index = len(prompt)
         prompt += tok.prompt(job.language, job.options.task, timestamps=job.with_timestamps)
         new_tokens = job.options.max_new_tokens or SAMPLE_LEN
+        key = (self.seed, job.seek, temperature) if candidate == 0 else (self.seed, job.seek, temperature, candidate)
         return Row(
             tokens=prompt,
             prompt_len=len(prompt),
             rules=self._rules[job.with_timestamps],
             max_len=min(self.main.max_positions, len(prompt) + new_tokens),
             eot=tok.eot,
-            draft=self._speculative(job),
+            draft=draft and self._speculative(job),
             temperature=temperature,
-            seed=hash((self.seed, job.seek, temperature)),
+            seed=hash(key),
             sot_index=sot_index,
         )
 
@@ -307,3 +332,15 @@ class Engine:
             if not job.place_words(window, timings):
                 return
         job.commit(window)
+
+
+def _best_of(candidates: list[Decoded], length_penalty: float | None) -> Decoded:
+    """The best ranked of a window's samples (openai-whisper's ranker), with the counters of all of them: they
+    shared each pass, so passes are counted once."""
+    best = candidates[rank([(len(d.tokens), d.sum_logprob) for d in candidates], length_penalty)]
+    stats = RowStats(main_passes=max(d.stats.main_passes for d in candidates))
+    for d in candidates:
+        stats.drafted += d.stats.drafted
+        stats.accepted += d.stats.accepted
+        stats.draft_passes = max(stats.draft_passes, d.stats.draft_passes)
+    return replace(best, stats=stats)

@@ -1,139 +1,122 @@
-"""The decoding loop: greedy decoding or sampling, with or without drafts, for a batch of rows.
+"""The decoding loop: every request's search (greedy, sampling or beam) advanced together, with or without drafts.
 
-Each iteration a drafter (if any) proposes up to k tokens per row; the main model
-feeds, per row, the tokens it has not seen yet followed by the drafts, in one
-forward pass, and scores the next token at every drafted position. A row keeps the
-longest prefix of drafts equal to the main model's own choices plus the main model's
-next token; a sampling row chooses by the argmax of its logits perturbed with noise
-keyed by position (`app.engine.decoding.selection`). Without a drafter k is 0 and the
-same loop is plain decoding, one token per pass: both modes share every rule and
-every op, which is what makes their outputs identical, sampled ones included.
+Each iteration a drafter (if any) proposes tokens after the hypotheses of the searches that draft; the main
+model feeds, per branch (a hypothesis followed by drafted tokens, `app.engine.decoding.search`), the tokens its
+cache does not hold yet followed by the drafts, all branches in one forward pass, and scores the next token at
+every drafted position. Each search then grows its hypotheses from those logits (a greedy row keeps the longest
+prefix of drafts equal to the main model's own choices plus the main model's next token; a beam replays its
+steps over the scored nodes) and says which branch's cache each new hypothesis continues; the cache rows are
+regrouped accordingly (a beam's hypotheses share their prefixes). Without a drafter every branch is a bare
+hypothesis and the same loop is plain decoding, one token or one beam step per pass: all modes share every rule
+and every op, which is what makes their outputs identical, sampled ones included.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import itertools
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
 
 from app.engine.decoding.batch import DecoderState, Row, gather_positions, scored_logits
-from app.engine.decoding.selection import greedy_select, perturbed
-from app.engine.drafting.base import Drafts, DraftSession, PromptAdopting
+from app.engine.decoding.search import Branch, Decoded, Greedy, RowStats, Search
+from app.engine.drafting.base import DraftSession, PromptAdopting
 from app.model.decoder import CrossKV
 from app.model.whisper import WhisperModel
 
-
-@dataclass
-class RowStats:
-    """Counters of one row over its decoding."""
-
-    drafted: int = 0
-    accepted: int = 0
-    main_passes: int = 0
-    draft_passes: int = 0
-
-    def add(self, other: RowStats) -> None:
-        self.drafted += other.drafted
-        self.accepted += other.accepted
-        self.main_passes += other.main_passes
-        self.draft_passes += other.draft_passes
+__all__ = ["Decoded", "RowStats", "decode", "detect_language"]
 
 
-@dataclass(frozen=True)
-class Decoded:
-    tokens: list[int]
-    finish: str
-    sum_logprob: float
-    no_speech_prob: float | None
-    stats: RowStats
-    logprobs: list[float]  # of each token (the main model's, at the temperature it decoded at)
-
-    @property
-    def avg_logprob(self) -> float:
-        return self.sum_logprob / (len(self.tokens) + 1)
-
-
-def _no_speech(main: WhisperModel, hidden: torch.Tensor, rows: list[Row]) -> None:
+def _no_speech(main: WhisperModel, hidden: torch.Tensor, rows: Sequence[Row]) -> list[float]:
     """Probability of <|nospeech|> at each row's start-of-transcript position (first pass only)."""
     at_sot = gather_positions(hidden, [[row.sot_index] for row in rows])[:, 0]
-    probs = main.decoder.logits(at_sot).softmax(-1)[:, main.tokenizer.no_speech].tolist()
-    for row, p in zip(rows, probs, strict=True):
-        row.no_speech_prob = p
+    return main.decoder.logits(at_sot).softmax(-1)[:, main.tokenizer.no_speech].tolist()  # type: ignore[no-any-return]
 
 
 @torch.inference_mode()
 def decode(
     main: WhisperModel,
     cross: CrossKV,
-    rows: list[Row],
+    audio: Sequence[int],
+    searches: Sequence[Search],
     draft: DraftSession | None,
     tick: Callable[[], None] | None = None,
 ) -> list[Decoded]:
-    """Decode all rows to end-of-text or their length limit; rows leave the batch as they finish.
+    """Advance every search to its end; search i reads entry audio[i] of `cross`. The draft session, if any,
+    proposes for the greedy searches (sampling included), in order: their rows are its rows.
 
     tick() is called after each main-model pass (a caller's sign of life; it must be cheap)."""
-    state = DecoderState.start(main.decoder, cross, len(rows), capacity=max(row.max_len for row in rows))
-    stats = [RowStats() for _ in rows]
-    active = list(range(len(rows)))
+    live = [i for i, search in enumerate(searches) if not search.done]
+    drafted = [i for i in live if isinstance(searches[i], Greedy)] if draft is not None else []
+
+    def cross_of(owners: Sequence[int]) -> CrossKV:
+        return cross.rows([audio[i] for i in owners])
+
+    owners = [i for i in live for _ in searches[i].rows]
+    capacity = max(row.max_len for i in live for row in searches[i].rows)
+    state = DecoderState.start(main.decoder, cross_of(owners), len(owners), capacity=capacity)
     first = True
-    # A draft that takes the main model's cache of a long prompt waits for the first pass to fill it.
-    adopt = isinstance(draft, PromptAdopting) and draft.adopts_prompt(rows)
-    while active:
-        live = [rows[i] for i in active]
-        drafts = Drafts.empty(len(live))
+    # A draft that takes the main model's cache of a long prompt waits for the first pass to fill it (its rows
+    # must be the main model's: only when every search drafts greedily).
+    adopt = (
+        isinstance(draft, PromptAdopting)
+        and len(drafted) == len(live)
+        and draft.adopts_prompt([searches[i].rows[0] for i in drafted])
+    )
+    while live:
+        rows = [row for i in live for row in searches[i].rows]
+        offsets = dict(zip(live, itertools.accumulate((len(searches[i].rows) for i in live), initial=0), strict=False))
+        drafting = [i for i in drafted if i in set(live)]
+        draft_rows = [searches[i].rows[0] for i in drafting]
+        proposals: dict[int, list[list[list[int]]]] = {}
         draft_passes = 0
-        if draft is not None and not (first and adopt):
+        if draft is not None and drafting and not (first and adopt):
             before = draft.passes
-            drafts = draft.get_candidates(live, [row.draft_budget for row in live])
+            drafts = draft.get_candidates(draft_rows, [row.draft_budget for row in draft_rows])
             draft_passes = draft.passes - before
-        pending = [row.tokens[fed:] for row, fed in zip(live, state.fed, strict=True)]
-        hidden, _ = state.feed([p + d for p, d in zip(pending, drafts.tokens, strict=True)])
+            proposals = {i: [[tokens]] for i, tokens in zip(drafting, drafts.tokens, strict=True)}
+        per_search = {i: searches[i].branches(proposals.get(i, [])) for i in live}
+        flat = [(i, branch) for i in live for branch in per_search[i]]
+        sources = [offsets[i] + branch.hyp for i, branch in flat]
+        if sources != list(range(len(rows))):
+            state.regroup(sources, [state.fed[r] for r in sources], cross_of([i for i, _ in flat]))
+        branch_rows = [rows[r] for r in sources]
+        paths = [branch.path for _, branch in flat]
+        pending = [row.tokens[fed:] for row, fed in zip(branch_rows, state.fed, strict=True)]
+        hidden, _ = state.feed([p + path for p, path in zip(pending, paths, strict=True)])
         if tick is not None:
             tick()
         if first:
-            _no_speech(main, hidden, live)
-        index = [list(range(len(p) - 1, len(p) + len(d))) for p, d in zip(pending, drafts.tokens, strict=True)]
-        logits = scored_logits(main.decoder, gather_positions(hidden, index), live, drafts.tokens)
-        accepted = []
-        for b, row in enumerate(live):
-            n = len(drafts.tokens[b])
-            scores = logits[b, : n + 1]
-            if row.temperature > 0:
-                scores = perturbed(scores, row.temperature, row.seed, len(row.tokens))
-            choice = greedy_select(scores, drafts.tokens[b])
-            new = [*drafts.tokens[b][: choice.accepted], choice.next_token]
-            logprobs = torch.log_softmax(logits[b, : len(new)], dim=-1)
-            chosen = logprobs.gather(-1, torch.tensor(new, device=logprobs.device).unsqueeze(-1)).flatten()
-            kept = len(row.tokens)
-            row.extend(new)
-            # Sum the log-probabilities of what was kept, end-of-text included, as OpenAI's decoder does
-            # (its average divides by the text's length plus one: the end).
-            added = len(row.tokens) - kept
-            row.logprobs.extend(chosen[:added].tolist())
-            row.sum_logprob += float(chosen[: added + (row.finish == "stop")].sum())
-            accepted.append(choice.accepted)
-            s = stats[active[b]]
-            s.drafted += n
-            s.accepted += choice.accepted
-            s.main_passes += 1
-            s.draft_passes += draft_passes
-        # The main cache holds the old tokens and the drafts; keep what was accepted.
-        state.rewind([len(row.tokens) - 1 for row in live])
-        if first and adopt:
+            firsts: dict[int, int] = {}
+            for b, (i, _) in enumerate(flat):
+                firsts.setdefault(i, b)
+            probs = _no_speech(main, hidden, [branch_rows[b] for b in firsts.values()])
+            for i, p in zip(firsts, probs, strict=True):
+                searches[i].no_speech_prob = p
+        index = [list(range(len(p) - 1, len(p) + len(path))) for p, path in zip(pending, paths, strict=True)]
+        logits = scored_logits(main.decoder, gather_positions(hidden, index), branch_rows, paths)
+        sources, fed, at = [], [], 0
+        for i in live:
+            branches: list[Branch] = per_search[i]
+            continuations = searches[i].advance(logits[at : at + len(branches)], branches)
+            if not searches[i].done:
+                for c in continuations:
+                    sources.append(at + c.branch)
+                    fed.append(min(c.cached, len(c.row.tokens) - 1))
+            at += len(branches)
+        if first and adopt:  # every search is greedy: the branches are the draft's rows, now extended
+            state.rewind([len(row.tokens) - 1 for row in branch_rows])
             cast(PromptAdopting, draft).adopt(state)
+        for i in drafting:
+            searches[i].stats.draft_passes += draft_passes
+        live = [i for i in live if not searches[i].done]
+        state.regroup(sources, fed, cross_of([i for i in live for _ in searches[i].rows]))
         first = False
-        if draft is not None:
-            draft.update_candidate_strategy(live, accepted, [len(d) for d in drafts.tokens])
-        keep = [b for b, row in enumerate(live) if row.finish is None]
-        if len(keep) < len(live):
-            state.keep(keep)
-            active = [active[b] for b in keep]
-    return [
-        Decoded(row.generated, row.finish or "stop", row.sum_logprob, row.no_speech_prob, s, row.logprobs)
-        for row, s in zip(rows, stats, strict=True)
-    ]
+        if draft is not None and drafting:
+            moves = [cast(Greedy, searches[i]).last_move for i in drafting]
+            draft.update_candidate_strategy(draft_rows, [m[0] for m in moves], [m[1] for m in moves])
+    return [search.result() for search in searches]
 
 
 @torch.inference_mode()

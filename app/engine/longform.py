@@ -26,7 +26,7 @@ import torch
 from app.api.audio import SAMPLE_RATE
 from app.api.types import DecodingOptions, Metrics, Segment, TokenLogprob, Transcription, Word
 from app.engine.alignment import APPEND_PUNCTUATION, PREPEND_PUNCTUATION, WordTiming, merge_punctuation
-from app.engine.generate import Decoded, RowStats
+from app.engine.decoding.search import Decoded, RowStats
 from app.model.features import FRAMES_PER_SECOND, INPUT_STRIDE, N_FRAMES, N_SAMPLES, TIME_PRECISION, log_mel, window
 from app.model.tokenizer import WhisperTokenizer
 
@@ -427,6 +427,8 @@ class LongFormJob:
             speculative=speculative,
             batch_size=batch,
             windows=c.windows,
+            decoding=self.options.decoding,
+            beam_size=self.options.beam_size,
         )
         return Transcription(
             text="".join(seg.text for seg in self.segments).strip(),

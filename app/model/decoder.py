@@ -51,6 +51,17 @@ class KVCache:
         """Keep only `rows` (a [B'] index tensor) of the batch."""
         return KVCache([k.index_select(0, rows) for k in self.keys], [v.index_select(0, rows) for v in self.values])
 
+    def gather(self, rows: Tensor, length: int) -> KVCache:
+        """A cache of the same capacity whose row i holds the first `length` slots of row `rows[i]` (a row may be
+        taken more than once: hypotheses of a beam share their prefix); the other slots are left unset."""
+
+        def take(t: Tensor) -> Tensor:
+            out = t.new_empty((rows.shape[0], *t.shape[1:]))
+            out[:, :, :length] = t[:, :, :length].index_select(0, rows)
+            return out
+
+        return KVCache([take(k) for k in self.keys], [take(v) for v in self.values])
+
 
 @dataclass
 class CrossKV:
@@ -61,6 +72,20 @@ class CrossKV:
 
     def select(self, rows: Tensor) -> CrossKV:
         return CrossKV([k.index_select(0, rows) for k in self.keys], [v.index_select(0, rows) for v in self.values])
+
+    def rows(self, index: list[int]) -> CrossKV:
+        """Row i reads entry index[i]: this very object when that is every entry in order, views (no copy) when
+        every row reads one entry (the hypotheses of one request), else copies."""
+        batch = self.keys[0].shape[0]
+        if index == list(range(batch)):
+            return self
+        if len(set(index)) == 1:
+            i, n = index[0], len(index)
+            return CrossKV(
+                [k[i : i + 1].expand(n, -1, -1, -1) for k in self.keys],
+                [v[i : i + 1].expand(n, -1, -1, -1) for v in self.values],
+            )
+        return self.select(torch.tensor(index, dtype=torch.long, device=self.keys[0].device))
 
 
 # (this module's name, the transformers checkpoint's) of a decoder layer's plain Linears and norms

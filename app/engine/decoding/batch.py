@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -76,6 +76,15 @@ class DecoderState:
         self.cross = self.cross.select(index)
         self.fed = [self.fed[r] for r in rows]
 
+    def regroup(self, rows: Sequence[int], fed: Sequence[int], cross: CrossKV) -> None:
+        """Row i becomes a copy of row rows[i] holding its first fed[i] tokens (a row may be copied more than once,
+        or dropped); `cross`: the new rows' cross-attention keys/values."""
+        if list(rows) != list(range(len(self.fed))):
+            index = torch.tensor(list(rows), dtype=torch.long, device=self.cross.keys[0].device)
+            self.cache = self.cache.gather(index, max(fed, default=0))
+        self.cross = cross
+        self.fed = list(fed)
+
 
 def gather_positions(hidden: Tensor, index: Sequence[Sequence[int]]) -> Tensor:
     """hidden [B, S, D], index: per row a list of positions (ragged) -> [B, K, D], K = longest list.
@@ -118,6 +127,10 @@ class Row:
     def draft_budget(self) -> int:
         """Most drafts worth proposing: one verification pass adds the drafts plus one token."""
         return max(0, self.room - 1) if self.draft else 0
+
+    def fork(self, token: int, sum_logprob: float, logprobs: list[float]) -> Row:
+        """Another hypothesis: this one's tokens and `token`, with its summed and per-token log-probabilities."""
+        return replace(self, tokens=[*self.tokens, token], sum_logprob=sum_logprob, logprobs=logprobs, finish=None)
 
     def extend(self, new: Sequence[int]) -> None:
         """Append accepted tokens, stopping at end-of-text or at the length limit."""
