@@ -57,6 +57,13 @@ class Settings(BaseSettings):
     served_model_name: str | None = Field(None, description="model id in the API (default: the model's name)")
     model_aliases: list[str] = Field(default_factory=lambda: ["whisper-1"], description="other accepted model ids")
     max_batch: int = Field(4, ge=1, le=4, description="most requests decoded together")
+    max_batch_rows: int = Field(
+        10,
+        ge=1,
+        le=64,
+        description="most decoding rows of a batch: a greedy request takes 1, a beam-5 request 5 (a request wider"
+        " than this runs alone)",
+    )
     speculation: Literal["adaptive", "always", "never"] = Field(
         "adaptive", description="per batch: measured choice, always speculative, or always plain greedy"
     )
@@ -64,6 +71,13 @@ class Settings(BaseSettings):
     queue_size: int = Field(64, ge=1, description="requests waiting beyond this get 429")
     max_upload_bytes: int = Field(25 * 1024 * 1024, ge=1, description="largest accepted upload")
     max_audio_seconds: float = Field(3600.0, gt=0, description="longest accepted audio")
+    default_beam_size: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="uploads that send no `beam_size`: 1 decodes greedily (the fastest), 5 searches 5 hypotheses as"
+        " openai-whisper's and faster-whisper's command lines do (fewer word errors, see docs/performance.md)",
+    )
     default_chunking_strategy: Literal["none", "auto"] = Field(
         "none",
         description="uploads that send no `chunking_strategy`: 'none' decodes the audio as one block (OpenAI's"

@@ -178,9 +178,9 @@ class RecordingDrafter:
         self.sessions.append(record)
         inner_adopt, inner_candidates = session.adopt, session.get_candidates
 
-        def adopt(main: DecoderState) -> None:
+        def adopt(main: DecoderState, rows: Sequence[Row]) -> None:
             record["adopted_at"] = list(main.fed)
-            inner_adopt(main)
+            inner_adopt(main, rows)
 
         def get_candidates(rows: Sequence[Row], budgets: Sequence[int]) -> Drafts:
             if not record["first_drafted_from"]:

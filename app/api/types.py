@@ -132,6 +132,11 @@ class DecodingOptions:
         return self.best_of if self.best_of is not None else self.beam_size
 
     @property
+    def rows(self) -> int:
+        """Rows of a decoding pass its first attempt takes: its beam's hypotheses (1 when greedy or sampling one)."""
+        return self.beam_size if self.temperatures[0] == 0 else self.candidates
+
+    @property
     def decoding(self) -> str:
         """What decodes a window at temperature 0: "greedy" or "beam"."""
         return "beam" if self.beam_size > 1 else "greedy"

@@ -34,6 +34,10 @@ def _options(args: argparse.Namespace) -> DecodingOptions:
         timestamps=timestamps,
         prompt=args.prompt,
         temperature=FALLBACK_TEMPERATURES if args.fallback else args.temperature,
+        beam_size=args.beam_size,
+        patience=args.patience,
+        length_penalty=args.length_penalty,
+        best_of=args.best_of,
     )
 
 

@@ -258,15 +258,14 @@ class Engine:
                 audio.append(rows[k])
                 owner.append(k)
         cross, session = inputs.main_cross, None
-        drafted = [a for a, s in zip(audio, searches, strict=True) if isinstance(s, Greedy)]
-        if self.drafter is not None and any(s.rows[0].draft for s in searches if isinstance(s, Greedy)):
-            if drafted != list(range(inputs.features.shape[0])):
-                index = torch.tensor(drafted)
+        if self.drafter is not None and any(s.rows[0].draft for s in searches):
+            if audio != list(range(inputs.features.shape[0])):  # the draft reads one entry per search
+                index = torch.tensor(audio)
                 inputs = replace(
                     inputs,
                     features=inputs.features.index_select(0, index),
                     encoder_out=inputs.encoder_out.index_select(0, index),
-                    main_cross=inputs.main_cross.rows(drafted),
+                    main_cross=inputs.main_cross.rows(audio),
                 )
             capacity = max(s.rows[0].max_len for s in searches)
             session = self.drafter.start(replace(inputs, capacity=capacity))
@@ -283,7 +282,7 @@ class Engine:
         opts = job.options
         if temperature == 0 and opts.beam_size > 1:
             options = BeamOptions(opts.beam_size, opts.patience, opts.length_penalty)
-            return [BeamSearch.start(self._row(job, temperature, draft=False), options)]
+            return [BeamSearch.start(self._row(job, temperature), options)]
         n = opts.candidates if temperature > 0 else 1
         return [Greedy(self._row(job, temperature, candidate=c)) for c in range(n)]
 

@@ -19,8 +19,8 @@ from typing import cast
 
 import torch
 
-from app.engine.decoding.batch import DecoderState, Row, gather_positions, scored_logits
-from app.engine.decoding.search import Branch, Decoded, Greedy, RowStats, Search
+from app.engine.decoding.batch import DecoderState, Row, gather_positions
+from app.engine.decoding.search import Branch, Decoded, Greedy, RowStats, Scored, Search
 from app.engine.drafting.base import DraftSession, PromptAdopting
 from app.model.decoder import CrossKV
 from app.model.whisper import WhisperModel
@@ -48,7 +48,9 @@ def decode(
 
     tick() is called after each main-model pass (a caller's sign of life; it must be cheap)."""
     live = [i for i, search in enumerate(searches) if not search.done]
-    drafted = [i for i in live if isinstance(searches[i], Greedy)] if draft is not None else []
+    for i in live:
+        for row in searches[i].rows:
+            row.group = i
 
     def cross_of(owners: Sequence[int]) -> CrossKV:
         return cross.rows([audio[i] for i in owners])
@@ -58,24 +60,22 @@ def decode(
     state = DecoderState.start(main.decoder, cross_of(owners), len(owners), capacity=capacity)
     first = True
     # A draft that takes the main model's cache of a long prompt waits for the first pass to fill it (its rows
-    # must be the main model's: only when every search drafts greedily).
+    # must be the main model's: only when every search is greedy).
     adopt = (
         isinstance(draft, PromptAdopting)
-        and len(drafted) == len(live)
-        and draft.adopts_prompt([searches[i].rows[0] for i in drafted])
+        and all(isinstance(searches[i], Greedy) for i in live)
+        and draft.adopts_prompt([searches[i].rows[0] for i in live])
     )
     while live:
         rows = [row for i in live for row in searches[i].rows]
         offsets = dict(zip(live, itertools.accumulate((len(searches[i].rows) for i in live), initial=0), strict=False))
-        drafting = [i for i in drafted if i in set(live)]
-        draft_rows = [searches[i].rows[0] for i in drafting]
         proposals: dict[int, list[list[list[int]]]] = {}
         draft_passes = 0
-        if draft is not None and drafting and not (first and adopt):
+        if draft is not None and not (first and adopt):
             before = draft.passes
-            drafts = draft.get_candidates(draft_rows, [row.draft_budget for row in draft_rows])
+            drafts = draft.get_candidates(rows, [row.draft_budget for row in rows])
             draft_passes = draft.passes - before
-            proposals = {i: [[tokens]] for i, tokens in zip(drafting, drafts.tokens, strict=True)}
+            proposals = {i: drafts.paths[offsets[i] : offsets[i] + len(searches[i].rows)] for i in live}
         per_search = {i: searches[i].branches(proposals.get(i, [])) for i in live}
         flat = [(i, branch) for i in live for branch in per_search[i]]
         sources = [offsets[i] + branch.hyp for i, branch in flat]
@@ -91,31 +91,37 @@ def decode(
             firsts: dict[int, int] = {}
             for b, (i, _) in enumerate(flat):
                 firsts.setdefault(i, b)
-            probs = _no_speech(main, hidden, [branch_rows[b] for b in firsts.values()])
+            index = torch.tensor(list(firsts.values()), device=hidden.device)
+            probs = _no_speech(main, hidden.index_select(0, index), [branch_rows[b] for b in firsts.values()])
             for i, p in zip(firsts, probs, strict=True):
                 searches[i].no_speech_prob = p
-        index = [list(range(len(p) - 1, len(p) + len(path))) for p, path in zip(pending, paths, strict=True)]
-        logits = scored_logits(main.decoder, gather_positions(hidden, index), branch_rows, paths)
+        scored = Scored(main.decoder, hidden, branch_rows, paths, [len(p) for p in pending])
+        at, wanted = 0, []  # the nodes every search reads, scored in one product
+        for i in live:
+            wanted += [(at + b, d) for b, d in searches[i].nodes(per_search[i])]
+            at += len(per_search[i])
+        scored.at(wanted)
         sources, fed, at = [], [], 0
         for i in live:
             branches: list[Branch] = per_search[i]
-            continuations = searches[i].advance(logits[at : at + len(branches)], branches)
+            continuations = searches[i].advance(scored, at, branches)
             if not searches[i].done:
                 for c in continuations:
                     sources.append(at + c.branch)
                     fed.append(min(c.cached, len(c.row.tokens) - 1))
             at += len(branches)
+            searches[i].stats.draft_passes += draft_passes
         if first and adopt:  # every search is greedy: the branches are the draft's rows, now extended
             state.rewind([len(row.tokens) - 1 for row in branch_rows])
-            cast(PromptAdopting, draft).adopt(state)
-        for i in drafting:
-            searches[i].stats.draft_passes += draft_passes
+            cast(PromptAdopting, draft).adopt(state, branch_rows)
+        if draft is not None and proposals:
+            moves = [searches[i].last_move for i in live]
+            draft.update_candidate_strategy(
+                [rows[offsets[i]] for i in live], [m[0] for m in moves], [m[1] for m in moves]
+            )
         live = [i for i in live if not searches[i].done]
         state.regroup(sources, fed, cross_of([i for i in live for _ in searches[i].rows]))
         first = False
-        if draft is not None and drafting:
-            moves = [cast(Greedy, searches[i]).last_move for i in drafting]
-            draft.update_candidate_strategy(draft_rows, [m[0] for m in moves], [m[1] for m in moves])
     return [search.result() for search in searches]
 
 

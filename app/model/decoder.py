@@ -14,8 +14,8 @@ D model width, T encoder frames, C cache capacity, V vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -65,27 +65,65 @@ class KVCache:
 
 @dataclass
 class CrossKV:
-    """Cross-attention keys/values per layer, computed once per request: [B, H, T, Dh]."""
+    """Cross-attention keys/values per layer, computed once per request: [E, H, T, Dh] for E entries (clips).
+
+    Row b of a batch reads entry b, or entry owners[b] when `owners` is set: rows of one request (the hypotheses
+    of a beam, its samples) share its entry without copying it. The decoder then attends run by run of rows
+    that read one entry (`runs`), each over views of it.
+    """
 
     keys: list[Tensor]
     values: list[Tensor]
+    owners: tuple[int, ...] | None = None
+    _views: dict[tuple[int, int], CrossKV] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def batch(self) -> int:
+        """Rows of a batch that read these keys/values."""
+        return len(self.owners) if self.owners is not None else self.keys[0].shape[0]
+
+    def owner(self, row: int) -> int:
+        return self.owners[row] if self.owners is not None else row
 
     def select(self, rows: Tensor) -> CrossKV:
+        """Keep only `rows` (a [B'] index tensor): copies, unless rows share entries (`owners`)."""
+        if self.owners is not None:
+            return self.rows(rows.tolist())
         return CrossKV([k.index_select(0, rows) for k in self.keys], [v.index_select(0, rows) for v in self.values])
 
-    def rows(self, index: list[int]) -> CrossKV:
-        """Row i reads entry index[i]: this very object when that is every entry in order, views (no copy) when
-        every row reads one entry (the hypotheses of one request), else copies."""
-        batch = self.keys[0].shape[0]
-        if index == list(range(batch)):
-            return self
-        if len(set(index)) == 1:
-            i, n = index[0], len(index)
-            return CrossKV(
-                [k[i : i + 1].expand(n, -1, -1, -1) for k in self.keys],
-                [v[i : i + 1].expand(n, -1, -1, -1) for v in self.values],
+    def rows(self, index: Sequence[int]) -> CrossKV:
+        """Row i reads what row index[i] reads now; no copy (this very object when nothing changes)."""
+        owners = [self.owner(i) for i in index]
+        if owners == list(range(self.keys[0].shape[0])):
+            return self if self.owners is None else CrossKV(self.keys, self.values, None, self._views)
+        return CrossKV(self.keys, self.values, tuple(owners), self._views)
+
+    def runs(self) -> list[tuple[int, int, int]]:
+        """(entry, first row, end row) of each run of consecutive rows that read one entry."""
+        owners = self.owners if self.owners is not None else tuple(range(self.keys[0].shape[0]))
+        out: list[tuple[int, int, int]] = []
+        for row, entry in enumerate(owners):
+            if out and out[-1][0] == entry and out[-1][2] == row:
+                out[-1] = (entry, out[-1][1], row + 1)
+            else:
+                out.append((entry, row, row + 1))
+        return out
+
+    def entry(self, entry: int, rows: int) -> CrossKV:
+        """Views of one entry for `rows` rows (kept: a drafting kernel keeps copies keyed by the object)."""
+        key = (entry, rows)
+        if key not in self._views:
+            self._views[key] = CrossKV(
+                [k[entry : entry + 1].expand(rows, -1, -1, -1) for k in self.keys],
+                [v[entry : entry + 1].expand(rows, -1, -1, -1) for v in self.values],
             )
-        return self.select(torch.tensor(index, dtype=torch.long, device=self.keys[0].device))
+        return self._views[key]
+
+    def frames(self, n: int, dtype: torch.dtype) -> CrossKV:
+        """The first n frames of each entry in `dtype` (views when already of that type), read by the same rows."""
+        return CrossKV(
+            [k[:, :, :n].to(dtype) for k in self.keys], [v[:, :, :n].to(dtype) for v in self.values], self.owners
+        )
 
 
 # (this module's name, the transformers checkpoint's) of a decoder layer's plain Linears and norms
@@ -144,8 +182,10 @@ class DecoderLayer(nn.Module):
         cross_v: Tensor,
         attention: DecoderAttention = "invariant",
         capture: list[Tensor] | None = None,
+        cross_runs: list[tuple[int, int, int]] | None = None,
     ) -> Tensor:
-        """x [B, S, D]; lengths [B, S]: the keys each token sees (its position + 1).
+        """x [B, S, D]; lengths [B, S]: the keys each token sees (its position + 1). cross_k/cross_v [E, H, T, Dh]:
+        row b reads entry b, or with `cross_runs` ((entry, first row, end row), `CrossKV.runs`) its run's entry.
 
         `capture`, when given, receives this layer's cross-attention scores [B, H, S, T] (before the softmax).
         """
@@ -156,7 +196,17 @@ class DecoderLayer(nn.Module):
         attn = prefix_attention(q, cache_k[:, :, :kv_len], cache_v[:, :, :kv_len], lengths, attention)
         x = x + self.self_out(attn)
         q = self.cross_q(self.cross_norm(x))
-        if capture is None:
+        if capture is None and cross_runs is not None:
+            attn = torch.cat(
+                [
+                    prefix_attention(
+                        q[a:z], cross_k[e : e + 1].expand(z - a, -1, -1, -1),
+                        cross_v[e : e + 1].expand(z - a, -1, -1, -1), None, attention,
+                    )
+                    for e, a, z in cross_runs
+                ]
+            )  # fmt: skip
+        elif capture is None:
             attn = prefix_attention(q, cross_k, cross_v, None, attention)
         else:
             heads = self._heads(q)
@@ -278,7 +328,18 @@ class TextDecoder(nn.Module):
             # verification feeds what the main model accepted): all layers in one call per column. The
             # columns run in order, so each token attends to what the ones before it just wrote.
             pos, wr = positions.tolist(), write.tolist()
-            steps = [self.token_step(x[:, j], [p[j] for p in pos], [w[j] for w in wr], cache, cross) for j in range(s)]
+            step = self.token_step
+            if cross.owners is None:
+                steps = [step(x[:, j], [p[j] for p in pos], [w[j] for w in wr], cache, cross) for j in range(s)]
+            else:  # run by run of rows that read one entry, over views of it and of their cache rows
+                steps = []
+                for j in range(s):
+                    parts = []
+                    for e, a, z in cross.runs():
+                        part = KVCache([k[a:z] for k in cache.keys], [v[a:z] for v in cache.values])
+                        rows_pos, rows_wr = [p[j] for p in pos[a:z]], [w[j] for w in wr[a:z]]
+                        parts.append(step(x[a:z, j], rows_pos, rows_wr, part, cross.entry(e, z - a)))
+                    steps.append(torch.cat(parts))
             return self.norm(torch.stack(steps, dim=1))
         kv_len = int(positions.max()) + 1
         head_dim = self.d_model // self.n_heads
@@ -296,6 +357,7 @@ class TextDecoder(nn.Module):
                 cross.values[i],
                 self.attention,
                 capture,
+                cross.runs() if cross.owners is not None else None,
             )
         return self.norm(x)
 

@@ -93,6 +93,7 @@ def create_app(settings: Settings | None = None, *, on_fatal: Callable[[str], No
             settings.queue_size,
             settings.realtime_partial_max_wait_s,
             max_queued_samples=round(settings.max_queued_audio_seconds * SAMPLE_RATE),
+            max_rows=max(settings.max_batch_rows, settings.max_batch),
         )
         vad = SileroVad()
         service = TranscriptionService(settings, batcher, metrics, vad)

@@ -35,6 +35,13 @@ class ServerMetrics:
         self.tokens = Counter("specwhisper_tokens", "tokens generated", registry=r)
         self.draft_proposed = Counter("specwhisper_draft_proposed", "drafted tokens", registry=r)
         self.draft_accepted = Counter("specwhisper_draft_accepted", "drafted tokens accepted", registry=r)
+        # by decoding ("greedy" or "beam"): their ratio is the tokens per main pass of each
+        self.decoded_tokens = Counter(
+            "specwhisper_decoded_tokens", "tokens of the answers, by decoding", ["decoding"], registry=r
+        )
+        self.main_passes = Counter(
+            "specwhisper_main_passes", "main-model decoding passes, by decoding", ["decoding"], registry=r
+        )
         self.batch_size = Histogram(
             "specwhisper_batch_size", "requests per batch", buckets=(1, 2, 3, 4, 8, 16), registry=r
         )

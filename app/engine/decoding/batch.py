@@ -109,6 +109,8 @@ class Row:
     temperature: float = 0.0
     seed: int = 0  # keys the sampling noise of each position (app.engine.decoding.selection)
     sot_index: int = 0
+    group: int = 0  # the search it belongs to (its hypotheses share it)
+    beam: int = 1  # the beam width of that search (1: greedy or sampling)
     finish: str | None = None
     sum_logprob: float = 0.0
     no_speech_prob: float | None = None

@@ -26,8 +26,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from app.engine.decoding.batch import Row
+from app.engine.decoding.batch import Row, scored_logits
 from app.engine.decoding.selection import greedy_select, perturbed
+from app.model.decoder import TextDecoder
 
 
 @dataclass
@@ -77,12 +78,49 @@ class Continuation:
     cached: int
 
 
+class Scored:
+    """The main model's next-token logits (rules applied) at nodes of a pass's branches, computed when first asked
+    for: node (b, d) predicts the token after branch b's hypothesis plus path[:d].
+
+    hidden [P, S, D]: the pass's hidden states; pending[b]: tokens branch b fed before its path (so node (b, d) sits
+    at position pending[b] - 1 + d). A beam asks for a handful of nodes per step, not for every drafted one.
+    """
+
+    def __init__(
+        self,
+        decoder: TextDecoder,
+        hidden: Tensor,
+        rows: Sequence[Row],
+        paths: Sequence[Sequence[int]],
+        pending: Sequence[int],
+    ) -> None:
+        self.decoder, self.hidden, self.rows, self.paths, self.pending = decoder, hidden, rows, paths, pending
+        self._done: dict[tuple[int, int], Tensor] = {}
+
+    def at(self, nodes: Sequence[tuple[int, int]], offset: int = 0) -> Tensor:
+        """Logits [len(nodes), V] of nodes (b, d), b counted from branch `offset`."""
+        wanted = [(offset + b, d) for b, d in nodes]
+        missing = list(dict.fromkeys(n for n in wanted if n not in self._done))
+        if missing:
+            index_b = torch.tensor([b for b, _ in missing], device=self.hidden.device)
+            index_s = torch.tensor([self.pending[b] - 1 + d for b, d in missing], device=self.hidden.device)
+            selected = self.hidden[index_b, index_s].unsqueeze(1)
+            logits = scored_logits(
+                self.decoder, selected, [self.rows[b] for b, _ in missing], [self.paths[b] for b, _ in missing],
+                [d for _, d in missing],
+            )[:, 0]  # fmt: skip
+            for n, row in zip(missing, logits, strict=True):
+                self._done[n] = row
+        return torch.stack([self._done[n] for n in wanted])
+
+
 class Search(Protocol):
     """One request's decoding of one window: its live hypotheses and how they grow."""
 
     rows: list[Row]  # the live hypotheses
     stats: RowStats
     no_speech_prob: float | None
+    last_move: tuple[int, int]  # drafted tokens (steps) accepted and proposed in the last pass
 
     @property
     def done(self) -> bool: ...
@@ -90,9 +128,12 @@ class Search(Protocol):
     def branches(self, drafts: Sequence[Sequence[Sequence[int]]]) -> list[Branch]:
         """The branches to score, given per hypothesis the drafted paths after it (any number, maybe none)."""
 
-    def advance(self, logits: Tensor, branches: Sequence[Branch]) -> list[Continuation]:
-        """Grow from logits [len(branches), K, V] (rules applied): position d of branch b predicts the token after
-        its hypothesis plus path[:d]. Returns the new hypotheses (also the new `rows`)."""
+    def nodes(self, branches: Sequence[Branch]) -> list[tuple[int, int]]:
+        """The nodes it will surely read (the loop scores those of all searches together)."""
+
+    def advance(self, scored: Scored, offset: int, branches: Sequence[Branch]) -> list[Continuation]:
+        """Grow from the logits at the nodes of its branches (`scored`, its branches from `offset`). Returns the new
+        hypotheses (also the new `rows`)."""
 
     def result(self) -> Decoded: ...
 
@@ -121,15 +162,19 @@ class Greedy:
         paths = drafts[0] if drafts else []
         return [Branch(0, list(paths[0]) if paths else [])]
 
-    def advance(self, logits: Tensor, branches: Sequence[Branch]) -> list[Continuation]:
+    def nodes(self, branches: Sequence[Branch]) -> list[tuple[int, int]]:
+        return [(0, d) for d in range(len(branches[0].path) + 1)]
+
+    def advance(self, scored: Scored, offset: int, branches: Sequence[Branch]) -> list[Continuation]:
         row, path = self.rows[0], branches[0].path
         n = len(path)
-        scores = logits[0, : n + 1]
+        logits = scored.at(self.nodes(branches), offset)
+        scores = logits
         if row.temperature > 0:
             scores = perturbed(scores, row.temperature, row.seed, len(row.tokens))
         choice = greedy_select(scores, path)
         new = [*path[: choice.accepted], choice.next_token]
-        chosen = _chosen_logprobs(logits[0, : len(new)], new)
+        chosen = _chosen_logprobs(logits[: len(new)], new)
         held = len(row.tokens) + n  # what the branch's cache row holds: the row's tokens and its drafts
         kept = len(row.tokens)
         row.extend(new)
@@ -194,9 +239,11 @@ class BeamSearch:
     no_speech_prob: float | None = None
     finished: list[_Finished] = field(default_factory=list)
     completed: bool = False
+    last_move: tuple[int, int] = (0, 0)  # steps taken beyond the first and the depth drafted, in the last pass
 
     @classmethod
     def start(cls, row: Row, options: BeamOptions) -> BeamSearch:
+        row.beam = options.beam_size
         return cls(options, [row])
 
     @property
@@ -210,7 +257,10 @@ class BeamSearch:
             out += [Branch(j, list(p)) for p in paths] if paths else [Branch(j, [])]
         return out
 
-    def advance(self, logits: Tensor, branches: Sequence[Branch]) -> list[Continuation]:
+    def nodes(self, branches: Sequence[Branch]) -> list[tuple[int, int]]:
+        return [(b, 0) for b, branch in enumerate(branches) if not any(o.hyp == branch.hyp for o in branches[:b])]
+
+    def advance(self, scored: Scored, offset: int, branches: Sequence[Branch]) -> list[Continuation]:
         nodes: dict[tuple[int, tuple[int, ...]], tuple[int, int]] = {}
         for b, branch in enumerate(branches):
             for d in range(len(branch.path) + 1):
@@ -218,15 +268,15 @@ class BeamSearch:
         hyps = [_Hypothesis(j, (), row) for j, row in enumerate(self.rows)]
         steps = 0
         while True:
-            at = [nodes[(h.base, h.suffix)] for h in hyps]
-            step_logits = torch.stack([logits[b, d] for b, d in at])
-            hyps = self._step(hyps, step_logits)
+            hyps = self._step(hyps, scored.at([nodes[(h.base, h.suffix)] for h in hyps], offset))
             steps += 1
             if self.completed or not all((h.base, h.suffix) in nodes for h in hyps):
                 break
+        depth = max(len(branch.path) for branch in branches)
         self.stats.main_passes += 1
-        self.stats.drafted += max(len(branch.path) for branch in branches)
+        self.stats.drafted += depth
         self.stats.accepted += steps - 1
+        self.last_move = (steps - 1, depth)
         self.rows = [h.row for h in hyps]
         return [self._continuation(h, branches) for h in hyps] if not self.completed else []
 
@@ -246,31 +296,17 @@ class BeamSearch:
 
     def _step(self, hyps: list[_Hypothesis], logits: Tensor) -> list[_Hypothesis]:
         """One step of openai-whisper's `BeamSearchDecoder.update` for this request; logits [H, V]."""
-        beam, eot = self.options.beam_size, hyps[0].row.eot
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        top = logprobs.topk(beam + 1)
-        sums = torch.tensor([h.row.sum_logprob for h in hyps], dtype=torch.float32, device=logprobs.device)
-        scores = (sums.unsqueeze(1) + top.values).tolist()  # float32 sums, as the reference's
-        tokens = top.indices.tolist()
-        values = top.values.tolist()
-        order = [(j, k) for j in range(len(hyps)) for k in range(beam + 1)]
-        ranked = sorted(order, key=lambda c: scores[c[0]][c[1]], reverse=True)
+        step = beam_step(logits, [h.row.sum_logprob for h in hyps], self.options.beam_size, hyps[0].row.eot)
         kept: list[_Hypothesis] = []
-        newly: list[_Finished] = []
-        for j, k in ranked:
-            parent, token, score = hyps[j], tokens[j][k], scores[j][k]
-            logprob_list = [*parent.row.logprobs, values[j][k]]
-            if token == eot:
-                newly.append(_Finished(parent.row.generated, score, parent.row.logprobs, True))
-                continue
-            row = parent.row.fork(token, score, logprob_list)
-            kept.append(_Hypothesis(parent.base, (*parent.suffix, token), row))
-            if len(kept) == beam:
-                break
-        for f in newly:
+        for c in step.kept:
+            parent = hyps[c.parent]
+            row = parent.row.fork(c.token, c.score, [*parent.row.logprobs, c.logprob])
+            kept.append(_Hypothesis(parent.base, (*parent.suffix, c.token), row))
+        for c in step.finished:
             if len(self.finished) >= self.options.max_candidates:
                 break
-            self.finished.append(f)
+            parent_row = hyps[c.parent].row
+            self.finished.append(_Finished(parent_row.generated, c.score, parent_row.logprobs, True))
         if len(self.finished) >= self.options.max_candidates or len(kept[0].row.tokens) >= kept[0].row.max_len:
             self._finalize(kept)
         return kept
@@ -309,3 +345,41 @@ def rank(candidates: Sequence[tuple[int, float]], length_penalty: float | None) 
 
     scores = [score(n, lp) for n, lp in candidates]
     return int(np.argmax(scores))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    parent: int  # index of the hypothesis it extends
+    token: int
+    score: float  # the hypothesis's summed log-probability with this token (float32)
+    logprob: float  # this token's
+
+
+@dataclass(frozen=True)
+class BeamStep:
+    kept: list[Candidate]  # the next hypotheses, best first (at most beam_size)
+    finished: list[Candidate]  # ranked above the last kept one and ending in end-of-text, best first
+
+
+def beam_step(logits: Tensor, sums: Sequence[float], beam_size: int, eot: int) -> BeamStep:
+    """Rank every hypothesis's beam_size + 1 likeliest next tokens (logits [H, V], rules applied; sums: the
+    hypotheses' summed log-probabilities) by summed log-probability, in float32 as openai-whisper sums them;
+    a stable sort keeps ties in its order (hypothesis by hypothesis, each in top-k order). Shared by the main
+    model's beam search and a draft's."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top = logprobs.topk(beam_size + 1)
+    base = torch.tensor(list(sums), dtype=torch.float32, device=logprobs.device)
+    scores = (base.unsqueeze(1) + top.values).tolist()
+    tokens, values = top.indices.tolist(), top.values.tolist()
+    order = [(j, k) for j in range(len(sums)) for k in range(beam_size + 1)]
+    kept: list[Candidate] = []
+    finished: list[Candidate] = []
+    for j, k in sorted(order, key=lambda c: scores[c[0]][c[1]], reverse=True):
+        candidate = Candidate(j, tokens[j][k], scores[j][k], values[j][k])
+        if candidate.token == eot:
+            finished.append(candidate)
+            continue
+        kept.append(candidate)
+        if len(kept) == beam_size:
+            break
+    return BeamStep(kept, finished)

@@ -41,13 +41,18 @@ class DraftInputs:
 
 @dataclass(frozen=True)
 class Drafts:
-    """Proposed tokens per row."""
+    """Proposed continuations per row, as the root-to-leaf paths of a tree (a row decoded greedily gets one)."""
 
-    tokens: list[list[int]]
+    paths: list[list[list[int]]]
 
     @classmethod
     def empty(cls, batch: int) -> Drafts:
         return cls([[] for _ in range(batch)])
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        """Each row's first path (a greedy row's chain), [] where none."""
+        return [paths[0] if paths else [] for paths in self.paths]
 
 
 class DraftSession(Protocol):
@@ -56,13 +61,16 @@ class DraftSession(Protocol):
     passes: int  # draft forward passes so far
 
     def get_candidates(self, rows: Sequence[Row], budgets: Sequence[int]) -> Drafts:
-        """Propose at most budgets[b] tokens to follow rows[b].tokens. Any tokens are correct (the main model
-        verifies them); for a row that samples, the best guesses are the draft's argmax of its logits perturbed
-        as the main model's will be (`app.engine.decoding.selection.perturbed`, the row's seed)."""
+        """Propose continuations of at most budgets[b] tokens after rows[b].tokens. Any tokens are correct (the
+        main model verifies them). A row decoded greedily gets one path; for a row that samples, the best guesses
+        are the draft's argmax of its logits perturbed as the main model's will be
+        (`app.engine.decoding.selection.perturbed`, the row's seed). Consecutive rows of one `group` with
+        `beam` above 1 are the hypotheses of a beam search: the paths of each form the tree its search may take
+        (for example the draft's own beam search a few steps ahead). Rows may come in any number and order
+        from call to call (hypotheses fork and die); a session finds what it holds of each by its tokens."""
 
     def update_candidate_strategy(self, rows: Sequence[Row], accepted: Sequence[int], proposed: Sequence[int]) -> None:
-        """Learn that rows[b] kept accepted[b] of proposed[b] drafts (rows already extended). Rows that
-        finished (`row.finish` set) leave the batch: the next call gets the others, in order."""
+        """Learn that rows[b] (those of the last call) kept accepted[b] of the proposed[b] drafted steps."""
 
 
 @runtime_checkable
@@ -72,8 +80,9 @@ class PromptAdopting(Protocol):
     def adopts_prompt(self, rows: Sequence[Row]) -> bool:
         """Whether the first main pass should run without drafts so that `adopt()` can take its cache."""
 
-    def adopt(self, main: DecoderState) -> None:
-        """Take the main model's cache of every row's tokens so far instead of feeding them."""
+    def adopt(self, main: DecoderState, rows: Sequence[Row]) -> None:
+        """Take the main model's cache of `rows` (row b: main row b, its first main.fed[b] tokens) instead of
+        feeding them."""
 
 
 class Drafter(Protocol):

@@ -127,6 +127,8 @@ def _metrics(parts: Sequence[Transcription], duration: float) -> Metrics:
         speculative=any(m.speculative for m in ms),
         batch_size=max((m.batch_size for m in ms), default=1),
         windows=sum(m.windows for m in ms),
+        decoding=ms[0].decoding if ms else "greedy",
+        beam_size=ms[0].beam_size if ms else 1,
     )
 
 

@@ -57,7 +57,7 @@ class TranscriptionRequest:
     stream: bool = False
     # "auto", "none", a `server_vad` object, or its JSON; None: as the operator's `default_chunking_strategy`
     chunking_strategy: str | dict[str, Any] | None = None
-    # openai-whisper's transcribe() options (ours: OpenAI's API has none of them), as sent; None: the default
+    # openai-whisper's transcribe() options, beam search's included (OpenAI's API has none of them), as sent
     long_form: dict[str, str] = field(default_factory=dict)
     include: tuple[str, ...] = ()  # "logprobs": each text token's log-probability in the answer
 
@@ -74,7 +74,12 @@ LONG_FORM_FIELDS = (
     "no_speech_threshold",
     "hallucination_silence_threshold",
     "clip_timestamps",
+    "beam_size",
+    "best_of",
+    "patience",
+    "length_penalty",
 )
+_INTEGER_FIELDS = ("beam_size", "best_of")
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,8 @@ def _long_form(raw: dict[str, str]) -> dict[str, Any]:
                 out[name] = text.lower() in ("true", "1")
             elif name == "clip_timestamps":
                 out[name] = tuple(float(t) for t in text.split(",") if t.strip())
+            elif name in _INTEGER_FIELDS:
+                out[name] = int(text)
             elif text.lower() in ("none", "null"):
                 out[name] = None
             else:
@@ -113,6 +120,7 @@ def _long_form(raw: dict[str, str]) -> dict[str, Any]:
                     raise ValueError
         except ValueError:
             kind = {"condition_on_previous_text": "true or false", "clip_timestamps": "comma-separated seconds"}
+            kind |= dict.fromkeys(_INTEGER_FIELDS, "a whole number")
             raise errors.bad_request(
                 f"{name} must be {kind.get(name, 'a number or none')}, got {value[:40]!r}", param=name
             ) from None
@@ -182,8 +190,9 @@ class TranscriptionService:
         )
         # temperature 0 means OpenAI's fallback: greedy first, then hotter while a window fails the thresholds
         ladder = FALLBACK_TEMPERATURES if req.temperature == 0 else (req.temperature,)
+        decoding = {"beam_size": self.settings.default_beam_size} | _long_form(req.long_form)
         try:
-            return replace(options, temperature=ladder, **_long_form(req.long_form))
+            return replace(options, temperature=ladder, **decoding)
         except InvalidRequestError as exc:
             raise errors.bad_request(str(exc), param=exc.param) from exc
 
@@ -488,8 +497,12 @@ class TranscriptionService:
             "batch_size": m.batch_size,
             "real_time_factor": round(total_ms / 1000 / m.audio_seconds, 4) if m.audio_seconds else 0.0,
             "speculative": m.speculative,
+            "decoding": m.decoding,
+            "beam_size": m.beam_size,
         }
         self._observe(metrics)
+        self.metrics.decoded_tokens.labels(m.decoding).inc(m.tokens)
+        self.metrics.main_passes.labels(m.decoding).inc(m.main_passes)
         return metrics
 
     def _reply(self, req: TranscriptionRequest, t: Transcription, queue_ms: float, total_ms: float) -> Reply:

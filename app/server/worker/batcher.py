@@ -62,10 +62,13 @@ class Batcher:
         queue_size: int,
         partial_max_wait_s: float = 1.0,
         max_queued_samples: int | None = None,
+        max_rows: int | None = None,
     ) -> None:
         self.worker = worker
         self.metrics = metrics
         self.max_batch = max_batch
+        # decoding rows a batch may take (a beam-5 request takes 5); a request wider than this runs alone
+        self.max_rows = max_rows if max_rows is not None else max_batch
         self.window_s = window_s
         self.queue_size = queue_size
         self.partial_max_wait_s = partial_max_wait_s
@@ -135,9 +138,13 @@ class Batcher:
             self._arrived.clear()
             await self._arrived.wait()
         batch = [first]
+        rows = first.job.options.rows
         deadline = time.perf_counter() + self.window_s
-        while len(batch) < self.max_batch:
+        while len(batch) < self.max_batch and rows < self.max_rows:
             item = self._take()
+            if item is not None and rows + item.job.options.rows > self.max_rows:
+                self.lanes[item.lane].appendleft(item)  # too wide for this batch: it leads the next one
+                break
             if item is None:
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0:
@@ -147,6 +154,7 @@ class Batcher:
                     await asyncio.wait_for(self._arrived.wait(), remaining)
                 continue
             batch.append(item)
+            rows += item.job.options.rows
         self.metrics.queue_depth.set(self.depth)
         return batch
 

@@ -82,7 +82,8 @@ class BatchRunner:
 
     def _transcribe(self, jobs: list[Job], batch_id: int) -> tuple[Mode, dict[str, JobResult]]:
         eligible = self.engine.drafter is not None and any(j.options.use_assistant for j in jobs)
-        mode: Mode = self.policy.choose(len(jobs)) if eligible else "plain"
+        rows = sum(j.options.rows for j in jobs)  # what a pass carries: a beam's hypotheses count one each
+        mode: Mode = self.policy.choose(rows) if eligible else "plain"
         options = [j.options if mode == "speculative" else dataclasses.replace(j.options, use_assistant=False)
                    for j in jobs]  # fmt: skip
 
@@ -106,10 +107,10 @@ class BatchRunner:
         if eligible:
             decode_s = max(t.metrics.decode_ms for t in out) / 1000  # the batch's rows share the decode time
             cost = BatchCost.of(decode_s, [(t.metrics.tokens, t.metrics.windows) for t in out])
-            self.policy.observe(mode, len(jobs), cost)
+            self.policy.observe(mode, rows, cost)
             log.debug(
                 "batch %s: %d rows %s, %.0f ms for %d plain passes; estimates %s",
-                batch_id, len(jobs), mode, cost.seconds * 1000, cost.plain_passes, self.policy.snapshot(),
+                batch_id, rows, mode, cost.seconds * 1000, cost.plain_passes, self.policy.snapshot(),
             )  # fmt: skip
         return mode, {j.request_id: JobResult(j.request_id, transcription=t) for j, t in zip(jobs, out, strict=True)}
 
