@@ -84,3 +84,36 @@ def test_clip_selection_by_language_subset_and_length(benchdata: Path) -> None:
     assert all(e.audio.is_file() for e in entries)  # paths resolved against the manifest's folder
     with pytest.raises(ValueError, match="no clips"):
         select_clips(manifest, {"en"}, None, max_seconds=0.5)
+
+
+@pytest.mark.slow  # five decodings of each clip, faster-whisper in a child process
+def test_bench_compares_beam_search_with_greedy_and_faster_whisper(benchdata: Path, tmp_path: Path) -> None:
+    """`bench --beam 1,5` runs greedy and beam-5 decoding, plain and speculative, and faster-whisper's beam 5 on
+    the same clips and reports the beam-search targets as ratios of that run."""
+    out_json = tmp_path / "bench.json"
+    out = run_app(
+        "bench",
+        *("--manifest", str(benchdata / "manifest.jsonl"), "--languages", "en", "--limit", "3", "--beam", "1,5"),
+        *("--compare-faster-whisper", "--no-rss-split", "--json", str(out_json)),
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out_json.read_text())
+    greedy, beam = report["beams"]["1"], report["beams"]["5"]
+    assert greedy["clips"] == beam["clips"] == 3
+    assert greedy["identical_fraction"] == beam["identical_fraction"] == 1.0
+    assert beam["wer_main"] == beam["wer_spec"] < 0.5
+    assert beam["faster_whisper"]["wer"] < 0.5 and beam["faster_whisper"]["total_ms"] > 0
+    targets = report["beam_targets"]
+    assert targets["beam_spec_identical_to_beam_plain"] == 1.0
+    for key in (
+        "beam_spec_decode_speedup_vs_beam_plain",
+        "beam_spec_e2e_speedup_vs_faster_whisper_beam",
+        "beam_spec_e2e_vs_greedy_spec",
+    ):
+        assert targets[key] > 0, key
+    assert targets["wer_points_beam_spec_minus_faster_whisper_beam"] == pytest.approx(
+        100 * (beam["wer_spec"] - beam["faster_whisper"]["wer"]), abs=1e-3
+    )
+    per_clip = {(c["id"], c["beam_size"]) for c in report["per_clip"]}
+    assert len(per_clip) == 6

@@ -135,6 +135,7 @@ def _bench(args: argparse.Namespace) -> int:
         rss_split=not args.no_rss_split,
         compare_hf=args.compare_hf,
         compare_faster_whisper=args.compare_faster_whisper,
+        beams=[int(b) for b in args.beam.split(",")],
     )
     summary = {k: v for k, v in report.items() if k not in ("per_clip", "languages")}
     print(json.dumps(summary, indent=2))
@@ -236,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-seconds", type=float, help="longest clip taken (default 30 s, one window; unbounded with --subset long)"
     )
     bench.add_argument("--batch", help="batch sizes for throughput, e.g. 1,2,4")
+    bench.add_argument("--beam", default="1", help="beam sizes, e.g. 1,5 (1: greedy); each runs plain and speculative")
     bench.add_argument("--json", type=Path, help="write the full report here")
     bench.add_argument("--concurrency", help="through the server instead: concurrent clients per level, e.g. 1,4,8,16")
     bench.add_argument(
@@ -255,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--compare-faster-whisper",
         action="store_true",
-        help="also faster-whisper (fp32, greedy) on the same converted weights (optional dependency)",
+        help="also faster-whisper (fp32, at each --beam size) on the same converted weights (optional dependency)",
     )
     bench.add_argument(
         "--no-rss-split", action="store_true", help="skip measuring each mode's peak RSS in a child process"

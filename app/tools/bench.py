@@ -1,4 +1,5 @@
-"""Side-by-side benchmark: main-only greedy vs speculative decoding in the same engine, same run.
+"""Side-by-side benchmark: main-only vs speculative decoding in the same engine, same run, greedy and with beam
+search (`--beam 1,5`).
 
 Each clip runs through both modes back to back (after a warm-up); optionally the same clips then
 run through transformers' `generate` (plain and assisted) and faster-whisper on the same weights
@@ -180,35 +181,48 @@ def run_bench(
     rss_split: bool = True,
     compare_hf: bool = False,
     compare_faster_whisper: bool = False,
+    beams: Sequence[int] = (1,),
 ) -> dict[str, Any]:
-    """Run the clips through both modes, interleaved per clip, then through the chosen reference decoders.
+    """Run the clips through both modes at each beam size (1: greedy), interleaved per clip, then through the
+    chosen reference decoders (faster-whisper at each beam size too).
 
     Each reference decoder runs in its own child process (it needs `settings`): loaded into the
     bench process, CTranslate2's OpenMP runtime and transformers slowed the engine's many small
     ops for the rest of the run (decode speedup 2.04x alone, 1.60-1.66x with them loaded, same
     clips). With `rss_split`, the peak RSS of each mode is measured in its own child process too.
+    The summary is the first beam size's; `beams` holds each one's, and `beam_targets` the ratios that
+    compare beam search with greedy decoding and with faster-whisper when beam sizes 1 and 5 both ran.
     """
     entries = select_clips(manifest, languages, limit, max_seconds, subset)
     audio = {e.id: load_audio(e.audio) for e in entries}
     warm = entries[0]
-    for use in (False, True):  # warm-up: allocator, thread pools, quantized kernels
-        engine.transcribe([audio[warm.id]], [DecodingOptions(language=warm.language, use_assistant=use)])
-    runs: list[ClipRun] = []
+    for beam in beams:  # warm-up: allocator, thread pools, quantized kernels, each beam's batch width
+        for use in (False, True):
+            options = DecodingOptions(language=warm.language, use_assistant=use, beam_size=beam)
+            engine.transcribe([audio[warm.id]], [options])
+    by_beam: dict[int, list[ClipRun]] = {beam: [] for beam in beams}
     for e in tqdm(entries, desc="bench", unit="clip"):
         clip = audio[e.id]
-        plain = engine.transcribe([clip], [DecodingOptions(language=e.language, use_assistant=False)])[0]
-        spec = engine.transcribe([clip], [DecodingOptions(language=e.language)])[0]
-        runs.append(ClipRun(e.id, e.language, plain, spec, e.text))
+        for beam in beams:
+            plain_options = DecodingOptions(language=e.language, use_assistant=False, beam_size=beam)
+            plain = engine.transcribe([clip], [plain_options])[0]
+            spec = engine.transcribe([clip], [DecodingOptions(language=e.language, beam_size=beam)])[0]
+            by_beam[beam].append(ClipRun(e.id, e.language, plain, spec, e.text))
+    runs = by_beam[beams[0]]
     batch_report = {str(b): _batch_throughput(engine, entries, audio, b) for b in batches}
     kinds = [k for k, on in (("hf", compare_hf), ("faster_whisper", compare_faster_whisper)) if on]
     if kinds and settings is None:
         raise ValueError("the reference decoders need the settings to load the model in their own process")
     for kind in kinds:
         assert settings is not None
-        for name, results in references_in_child(settings, kind, entries).items():
-            for run, result in zip(runs, results, strict=True):
-                run.baselines[name] = result
+        for name, results in references_in_child(settings, kind, entries, beams).items():
+            beam = int(name.removeprefix("faster_whisper_beam")) if name.startswith("faster_whisper_beam") else 1
+            for run, result in zip(by_beam.get(beam, runs), results, strict=True):
+                run.baselines[name.split("_beam")[0]] = result
     report = _summary(runs)
+    report["beams"] = {str(beam): _summary(rs) for beam, rs in by_beam.items()}
+    if 1 in by_beam and 5 in by_beam:
+        report["beam_targets"] = beam_targets(report["beams"]["1"], report["beams"]["5"])
     report["machine"] = machine(engine)
     report["peak_rss_mb"] = {"bench_process": _peak_rss_mb()}
     if settings is not None and rss_split:
@@ -221,16 +235,38 @@ def run_bench(
         {
             "id": r.clip_id,
             "language": r.language,
+            "beam_size": beam,
             "identical": r.identical,
             "decode_speedup": r.plain.metrics.decode_ms / r.spec.metrics.decode_ms if r.spec.metrics.decode_ms else 0,
             "e2e_speedup": r.plain.metrics.total_ms / r.spec.metrics.total_ms if r.spec.metrics.total_ms else 0,
             "acceptance_rate": r.spec.metrics.acceptance_rate,
+            "tokens_per_main_pass": r.spec.metrics.tokens_per_main_pass,
             **{f"{name}_ms": b.total_ms for name, b in r.baselines.items()},
         }
-        for r in runs
+        for beam, rs in by_beam.items()
+        for r in rs
     ]
     report["batches"] = batch_report
     return report
+
+
+def beam_targets(greedy: dict[str, Any], beam: dict[str, Any]) -> dict[str, Any]:
+    """The beam-search targets as ratios of one run (greedy: the beam-1 summary, beam: the beam-5 one)."""
+    out: dict[str, Any] = {
+        "beam_spec_identical_to_beam_plain": beam["identical_fraction"],
+        "beam_spec_decode_speedup_vs_beam_plain": beam["decode_speedup"],
+        "beam_spec_e2e_vs_greedy_spec": beam["total_ms_spec"] / greedy["total_ms_spec"]
+        if greedy["total_ms_spec"]
+        else 0,
+        "wer_greedy_spec": greedy["wer_spec"],
+        "wer_beam_spec": beam["wer_spec"],
+    }
+    peer = beam.get("faster_whisper")
+    if peer is not None:
+        out["beam_spec_e2e_speedup_vs_faster_whisper_beam"] = peer["speedup_spec_vs_this"]
+        out["wer_faster_whisper_beam"] = peer["wer"]
+        out["wer_points_beam_spec_minus_faster_whisper_beam"] = round(100 * (beam["wer_spec"] - peer["wer"]), 3)
+    return out
 
 
 def machine(engine: Engine) -> dict[str, Any]:
@@ -241,8 +277,11 @@ def machine(engine: Engine) -> dict[str, Any]:
     return {"cpu": cpu_name(), "logical_cpus": os.cpu_count(), "torch": torch.__version__, **engine.describe()}
 
 
-def _references(settings: Settings, kind: str, entries: list[ManifestClip]) -> dict[str, list[RunResult]]:
-    """In a fresh process: the reference decoders of `kind` over the clips, after one warm-up clip."""
+def _references(
+    settings: Settings, kind: str, entries: list[ManifestClip], beams: Sequence[int] = (1,)
+) -> dict[str, list[RunResult]]:
+    """In a fresh process: the reference decoders of `kind` over the clips (faster-whisper at each beam size),
+    after one warm-up clip."""
     from app.engine.build import build_engine
 
     main = build_engine(settings.model_copy(update={"assistant": NO_ASSISTANT}), progress=False).main
@@ -250,7 +289,7 @@ def _references(settings: Settings, kind: str, entries: list[ManifestClip]) -> d
     if kind == "hf":
         runners = [HFGenerate(main, assisted=False), HFGenerate(main, assisted=True)]
     else:
-        runners = [FasterWhisper(main, threads=torch.get_num_threads())]
+        runners = [FasterWhisper(main, threads=torch.get_num_threads(), beam_size=beam) for beam in beams]
     audio = [load_audio(e.audio) for e in entries]
     for runner in runners:
         runner.run(audio[0], entries[0].language)
@@ -261,9 +300,11 @@ def _references(settings: Settings, kind: str, entries: list[ManifestClip]) -> d
     return out
 
 
-def references_in_child(settings: Settings, kind: str, entries: list[ManifestClip]) -> dict[str, list[RunResult]]:
+def references_in_child(
+    settings: Settings, kind: str, entries: list[ManifestClip], beams: Sequence[int] = (1,)
+) -> dict[str, list[RunResult]]:
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_references, (settings, kind, entries))
+        return pool.apply(_references, (settings, kind, entries, beams))
 
 
 def _reset_peak_rss() -> bool:

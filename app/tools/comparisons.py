@@ -109,13 +109,14 @@ def load_faster_whisper(model_name: str, threads: int) -> tuple[tempfile.Tempora
 
 class FasterWhisper:
     """faster-whisper (CTranslate2) on the CTranslate2 checkpoint the engine's weights were converted
-    from, computing in fp32, greedy, without timestamps (optional dependency `faster-whisper`)."""
+    from, computing in fp32, greedy or with beam search (`beam_size`), without timestamps (optional dependency
+    `faster-whisper`)."""
 
-    name = "faster_whisper"
-
-    def __init__(self, main: WhisperModel, threads: int) -> None:
+    def __init__(self, main: WhisperModel, threads: int, beam_size: int = 1) -> None:
         self._dir, self.model = load_faster_whisper(main.name, threads)
         self.tokenizer = main.tokenizer
+        self.beam_size = beam_size
+        self.name = "faster_whisper" if beam_size == 1 else f"faster_whisper_beam{beam_size}"
 
     def run(self, audio: np.ndarray, language: str) -> RunResult:
         started = time.perf_counter()
@@ -123,7 +124,7 @@ class FasterWhisper:
             audio.astype(np.float32),
             language=language,
             task="transcribe",
-            beam_size=1,
+            beam_size=self.beam_size,
             best_of=1,
             temperature=0.0,
             without_timestamps=True,
