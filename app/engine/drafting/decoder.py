@@ -49,6 +49,12 @@ class _DraftHyp:
     score: float
 
 
+# A beam's drafted tree: at most this many steps ahead, and this many paths per hypothesis of its width. Each
+# drafted step costs a pass over every hypothesis, and each path a row of the main pass (docs/performance.md).
+BEAM_DEPTH = 3
+BEAM_PATHS = 1.5
+
+
 class DecoderDraftSession:
     """Drafts from a decoder's own cache: a chain per greedy row, the draft's own beam search for beam rows.
 
@@ -59,13 +65,19 @@ class DecoderDraftSession:
     of prompts this long (previous text in long-form audio) instead of prefilling them on the int8
     path; it costs one pass without drafts per window (docs/history/performance-log.md). None: never.
     beam_paths: the most paths (rows of the main pass) a beam's drafted tree may give per hypothesis of its
-    width; the deepest are kept.
+    width; the deepest are kept. beam_depth: the most steps a beam's draft looks ahead.
     """
 
     def __init__(
-        self, state: DecoderState, length: DraftLength, adopt_min_prompt: int | None = None, beam_paths: float = 2.0
+        self,
+        state: DecoderState,
+        length: DraftLength,
+        adopt_min_prompt: int | None = None,
+        beam_paths: float = BEAM_PATHS,
+        beam_depth: int = BEAM_DEPTH,
     ) -> None:
         self.state = state
+        self.beam_depth = beam_depth
         self.entries = state.cross  # row b of the first call (group b) reads entry b
         self.length = length
         self.adopt_min_prompt = adopt_min_prompt
@@ -101,7 +113,12 @@ class DecoderDraftSession:
                 runs[-1] = (runs[-1][0], b + 1)
             else:
                 runs.append((b, b + 1))
-        want = [min(self.k.get(rows[a].group, self.length.initial), *budgets[a:z]) for a, z in runs]
+        want = [
+            min(
+                self.k.get(rows[a].group, self.length.initial), *budgets[a:z], *([self.beam_depth] * (rows[a].beam > 1))
+            )
+            for a, z in runs
+        ]
         if max(want) == 0:
             return Drafts.empty(len(rows))
         nodes: list[set[tuple[int, ...]]] = [set() for _ in rows]
