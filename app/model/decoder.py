@@ -197,15 +197,16 @@ class DecoderLayer(nn.Module):
         x = x + self.self_out(attn)
         q = self.cross_q(self.cross_norm(x))
         if capture is None and cross_runs is not None:
+            # The queries of a run's rows as one row's: the kernel then reads each head's frames once for all of
+            # them (neighbouring queries share their keys), not once per row; each query gets the same bits.
             attn = torch.cat(
                 [
                     prefix_attention(
-                        q[a:z], cross_k[e : e + 1].expand(z - a, -1, -1, -1),
-                        cross_v[e : e + 1].expand(z - a, -1, -1, -1), None, attention,
-                    )
+                        q[a:z].reshape(1, (z - a) * s, d), cross_k[e : e + 1], cross_v[e : e + 1], None, attention
+                    ).view(z - a, s, d)
                     for e, a, z in cross_runs
                 ]
-            )  # fmt: skip
+            )
         elif capture is None:
             attn = prefix_attention(q, cross_k, cross_v, None, attention)
         else:
