@@ -47,6 +47,19 @@ def test_transcribe_json_speculative_and_plain_agree(benchdata: Path) -> None:
 
 
 @needs_native("bfloat16")
+def test_beam_size_flag(benchdata: Path) -> None:
+    """--beam-size 5 decodes by beam search, speculative or not, with the same tokens; a bad width is refused."""
+    jfk = str(benchdata / "audio/whisper/jfk.wav")
+    spec = run_app("transcribe", jfk, "--language", "en", "--format", "json", "--beam-size", "5")
+    plain = run_app("transcribe", jfk, "--language", "en", "--format", "json", "--beam-size", "5", "--no-assistant")
+    assert spec.returncode == 0 and plain.returncode == 0, spec.stderr + plain.stderr
+    s, p = json.loads(spec.stdout), json.loads(plain.stdout)
+    assert s["metrics"]["decoding"] == p["metrics"]["decoding"] == "beam" and s["metrics"]["beam_size"] == 5
+    assert s["tokens"] == p["tokens"] and "ask not what your country" in s["text"].lower()
+    bad = run_app("transcribe", jfk, "--beam-size", "0")
+    assert bad.returncode != 0 and "beam_size" in bad.stderr
+
+
 def test_half_precision_flags(benchdata: Path) -> None:
     """--dtype bfloat16 (the whole model, with the default int8 self-draft) and --encoder-dtype bfloat16 (the
     encoder alone) both transcribe speculatively; a bad choice is refused by name."""

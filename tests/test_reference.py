@@ -17,7 +17,7 @@ from app.api.types import FALLBACK_TEMPERATURES, Segment
 from app.store.catalog import ModelStore
 from app.tools.manifest import ManifestClip
 from app.tools.reference import compare_segments, load_reference, reference_transcribe
-from tests.server import ServerProcess, openai_client, server_fixture
+from tests.server import ServerProcess, metric, openai_client, server_fixture
 from tests.test_chunking import _wav
 
 pytestmark = pytest.mark.slow
@@ -148,6 +148,9 @@ def test_beam_search_equals_the_reference(
             assert body["metrics"]["decoding"] == "beam" and body["metrics"]["beam_size"] == 5
             problems = compare_segments(_segments(body), expected["segments"], audio.size / SR)
             assert not problems, (name, speculative, problems[:5])
+    # Prometheus has each decoding's tokens and main passes (their ratio: tokens per main pass).
+    assert metric(server, "specwhisper_main_passes_total", decoding="beam") > 0
+    assert metric(server, "specwhisper_decoded_tokens_total", decoding="beam") > 0
 
 
 def test_long_form_fields_are_validated(server: ServerProcess, recordings: dict[str, np.ndarray]) -> None:
