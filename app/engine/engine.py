@@ -141,7 +141,8 @@ class Engine:
         batch of four took only 0.25 s (6%) longer than the next, while each batch-of-four pass of
         warm-up had cost ~4.5 s on a 2-core machine.
 
-        Then it checks whether the main decoder is batch-invariant here (`check_batch_invariance`).
+        Then it checks whether the main decoder is batch-invariant here (`check_batch_invariance`), and loads the
+        tokens' byte table.
         """
         tone = _tone()
         sizes = frozenset(batch_sizes)
@@ -158,6 +159,9 @@ class Engine:
                     jobs = [self._job(tone, options) for _ in range(batch)]
                     self._decode(jobs, [0.0] * batch, inputs, list(range(batch)))
             self.check_batch_invariance(encoder_out, rows=max(sizes))
+        # Each answer's token log-probabilities carry the tokens' bytes, from a table built with transformers
+        # (imported in ~1 s): built here, not during the first request.
+        self.main.tokenizer.token_bytes(self.main.tokenizer.encode(" a")[0])
         return sizes
 
     def check_batch_invariance(self, encoder_out: torch.Tensor | None = None, rows: int = 4) -> bool | None:

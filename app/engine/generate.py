@@ -44,7 +44,8 @@ def decode(
     tick: Callable[[], None] | None = None,
 ) -> list[Decoded]:
     """Advance every search to its end; search i reads entry audio[i] of `cross`. The draft session, if any,
-    proposes for the greedy searches (sampling included), in order: their rows are its rows.
+    proposes for every search's hypotheses (each row's `group` is its search's index: the draft's inputs hold one
+    entry per search, in order); a row that does not draft has no budget.
 
     tick() is called after each main-model pass (a caller's sign of life; it must be cheap)."""
     live = [i for i, search in enumerate(searches) if not search.done]
