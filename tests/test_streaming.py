@@ -356,14 +356,21 @@ def test_logprobs_in_json_sse_and_realtime(server: ServerProcess, client: OpenAI
         assert session.wait_for("transcription_session.updated")[0]["session"]["include"] == [
             "item.input_audio_transcription.logprobs"
         ]
-        session.stream(speech, 16000)
+        session.stream(speech, 16000, speedup=1.0)  # in real time: partials send deltas before the final
         session.send({"type": "input_audio_buffer.commit"})
         completed = session.wait_for("conversation.item.input_audio_transcription.completed")[0]
+        deltas = session.of_type("conversation.item.input_audio_transcription.delta")
     finally:
         session.ws.close()
     check_logprobs(completed["logprobs"], completed["transcript"])
     if completed["transcript"] == answer.text:
         assert completed["logprobs"] == logprobs
+    # Each delta (partials' words, then the final's rest) carries the entries of the tokens that spell it.
+    assert len(deltas) > 1
+    for d in deltas:
+        assert d["logprobs"] and "".join(e["token"] for e in d["logprobs"]).strip() == d["delta"].strip(), d
+    if "".join(d["delta"] for d in deltas) == completed["transcript"]:  # no partial had other punctuation
+        check_logprobs([e for d in deltas for e in d["logprobs"]], completed["transcript"])
 
 
 def test_realtime_bad_events_get_errors_and_others_keep_working(server: ServerProcess, speech: np.ndarray) -> None:

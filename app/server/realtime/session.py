@@ -19,6 +19,7 @@ import binascii
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -73,6 +74,25 @@ def _remainder(confirmed: str, final: str) -> str:
     if not _same_words(words[: len(sent)], sent) or len(words) == len(sent):
         return ""
     return " " + " ".join(words[len(sent) :])
+
+
+def _word_spans(text: str) -> list[tuple[int, int]]:
+    return [m.span() for m in re.finditer(r"\S+", text)]
+
+
+def _logprobs_between(t: Transcription, start: int, end: int) -> list[dict[str, Any]]:
+    """OpenAI's `logprobs` entries of the tokens that spell characters [start, end) of `t.text` (a token on
+    either edge counts; a token's leading space belongs to the word after it)."""
+    raw = b"".join(bytes(p.bytes) for p in t.logprobs)
+    joined = raw.decode("utf-8", errors="replace")  # `t.text` is this text, stripped
+    lead = len(joined) - len(joined.lstrip())
+    first, last = len(joined[: lead + start].encode()), len(joined[: lead + end].encode())
+    out, at = [], 0
+    for p in t.logprobs:
+        if at < last and at + len(p.bytes) > first:
+            out.append(p.to_dict())
+        at += len(p.bytes)
+    return out
 
 
 @dataclass
@@ -425,16 +445,22 @@ class RealtimeSession:
             delta = " ".join(words[sent:agreed])
             delta = f" {delta}" if self.confirmed else delta
             self.confirmed += delta
-            self.emit(self._delta(item_id, delta))
+            spans = _word_spans(transcription.text)
+            entries = _logprobs_between(transcription, spans[sent][0], spans[agreed - 1][1])
+            self.emit(self._delta(item_id, delta, entries))
         self._maybe_partial()
 
-    def _delta(self, item_id: str, delta: str) -> dict[str, Any]:
-        return {
+    def _delta(self, item_id: str, delta: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+        """A delta event; with the session's `include` of logprobs, those of the tokens that spell it."""
+        event: dict[str, Any] = {
             "type": "conversation.item.input_audio_transcription.delta",
             "item_id": item_id,
             "content_index": 0,
             "delta": delta,
         }
+        if self.config.logprobs:
+            event["logprobs"] = logprobs
+        return event
 
     async def _run_finals(self) -> None:
         while True:
@@ -469,7 +495,8 @@ class RealtimeSession:
                 return
         text = transcription.text
         if rest := _remainder(u.confirmed, text):
-            self.emit(self._delta(u.item_id, rest))
+            start = len(u.confirmed) if text.startswith(u.confirmed) else _word_spans(text)[len(u.confirmed.split())][0]
+            self.emit(self._delta(u.item_id, rest, _logprobs_between(transcription, start, len(text))))
         metrics = self.service.utterance_metrics(transcription, queue_ms, time.perf_counter() - u.closed_at)
         completed: dict[str, Any] = {
             "type": "conversation.item.input_audio_transcription.completed",
