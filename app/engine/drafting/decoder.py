@@ -113,12 +113,8 @@ class DecoderDraftSession:
                 runs[-1] = (runs[-1][0], b + 1)
             else:
                 runs.append((b, b + 1))
-        want = [
-            min(
-                self.k.get(rows[a].group, self.length.initial), *budgets[a:z], *([self.beam_depth] * (rows[a].beam > 1))
-            )
-            for a, z in runs
-        ]
+        want = [min(self.k.get(rows[a].group, self.length.initial), *budgets[a:z]) for a, z in runs]
+        want = [min(w, self.beam_depth) if rows[a].beam > 1 else w for w, (a, _) in zip(want, runs, strict=True)]
         if max(want) == 0:
             return Drafts.empty(len(rows))
         nodes: list[set[tuple[int, ...]]] = [set() for _ in rows]
