@@ -41,3 +41,22 @@ def test_lane_order_and_aged_partials() -> None:
         return [fresh == [upload, partial], aged == [final, partial, upload, None]]
 
     assert asyncio.run(run()) == [True, True]
+
+
+def test_batches_count_rows() -> None:
+    """A beam-5 request takes five rows of a batch: with room for 10, two of them fill one batch and a third waits
+    for the next, in order; greedy requests take one row each; a request wider than the room runs alone."""
+
+    def beam(name: str, size: int = 5) -> Job:
+        return Job(name, np.zeros(1600, np.float32), DecodingOptions(beam_size=size, temperature=(0.0, 0.2)))
+
+    async def run() -> list[list[str]]:
+        batcher = Batcher(AlwaysReady(), ServerMetrics(), max_batch=4, window_s=0.0, queue_size=16,  # type: ignore[arg-type]
+                          max_rows=10)  # fmt: skip
+        for job in (beam("b1"), beam("b2"), _job("g1"), beam("b3"), _job("g2"), beam("wide", 16), _job("g3")):
+            batcher.submit(job, Lane.UPLOAD)
+        return [[p.job.request_id for p in await batcher._collect()] for _ in range(4)]
+
+    assert asyncio.run(run()) == [["b1", "b2"], ["g1", "b3", "g2"], ["wide"], ["g3"]]
+    assert DecodingOptions(beam_size=5).rows == 5 and DecodingOptions(beam_size=5, temperature=0.4).rows == 5
+    assert DecodingOptions(temperature=0.4, best_of=3).rows == 3 and DecodingOptions().rows == 1
