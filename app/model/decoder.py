@@ -47,10 +47,6 @@ class KVCache:
     def scratch(self) -> int:
         return self.capacity - 1
 
-    def select(self, rows: Tensor) -> KVCache:
-        """Keep only `rows` (a [B'] index tensor) of the batch."""
-        return KVCache([k.index_select(0, rows) for k in self.keys], [v.index_select(0, rows) for v in self.values])
-
     def gather(self, rows: Tensor, length: int) -> KVCache:
         """A cache of the same capacity whose row i holds the first `length` slots of row `rows[i]` (a row may be
         taken more than once: hypotheses of a beam share their prefix); the other slots are left unset."""

@@ -70,12 +70,6 @@ class DecoderState:
         """Forget everything past `valid[b]` tokens of row b (it is overwritten before it is read again)."""
         self.fed = [min(f, v) for f, v in zip(self.fed, valid, strict=True)]
 
-    def keep(self, rows: list[int]) -> None:
-        index = torch.tensor(rows, dtype=torch.long, device=self.cross.keys[0].device)
-        self.cache = self.cache.select(index)
-        self.cross = self.cross.select(index)
-        self.fed = [self.fed[r] for r in rows]
-
     def regroup(self, rows: Sequence[int], fed: Sequence[int], cross: CrossKV) -> None:
         """Row i becomes a copy of row rows[i] holding its first fed[i] tokens (a row may be copied more than once,
         or dropped); `cross`: the new rows' cross-attention keys/values."""
@@ -84,6 +78,21 @@ class DecoderState:
             self.cache = self.cache.gather(index, max(fed, default=0))
         self.cross = cross
         self.fed = list(fed)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences of one type (lists, or tuples): slices compare
+    at C speed."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo < hi - 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def gather_positions(hidden: Tensor, index: Sequence[Sequence[int]]) -> Tensor:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from app.engine.decoding.batch import Row, scored_logits
+from app.engine.decoding.batch import Row, common_prefix, scored_logits
 from app.engine.decoding.selection import greedy_select, perturbed
 from app.model.decoder import TextDecoder
 
@@ -209,8 +209,8 @@ class BeamOptions:
 
 @dataclass
 class _Hypothesis:
-    """A beam hypothesis: where it sits in the scored tree (`branch_of`: its search hypothesis, `suffix`: the
-    tokens it took in this pass) and its row."""
+    """A beam hypothesis: where it sits in the scored tree (`base`: the search's hypothesis it grew from at the
+    start of this pass, `suffix`: the tokens it took since) and its row."""
 
     base: int
     suffix: tuple[int, ...]
@@ -286,9 +286,7 @@ class BeamSearch:
         for b, branch in enumerate(branches):
             if branch.hyp != h.base:
                 continue
-            n = 0
-            while n < min(len(branch.path), len(h.suffix)) and branch.path[n] == h.suffix[n]:
-                n += 1
+            n = common_prefix(branch.path, list(h.suffix))
             if n > shared:
                 best, shared = b, n
         base_len = len(h.row.tokens) - len(h.suffix)

@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from app.engine.decoding.batch import DecoderState, Row, gather_positions, scored_logits
+from app.engine.decoding.batch import DecoderState, Row, common_prefix, gather_positions, scored_logits
 from app.engine.decoding.search import beam_step
 from app.engine.decoding.selection import perturbed
 from app.engine.drafting.base import DraftInputs, DraftLength, Drafts
@@ -24,20 +24,6 @@ from app.model.whisper import WhisperModel
 CrossSource = Literal["main-cross", "main-encoder", "own-encoder"]
 
 ADOPT_MIN_PROMPT = 32  # tokens of the longest prompt from which a self-draft adopts the main cache
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token lists (slices compare at C speed)."""
-    lo, hi = 0, min(len(a), len(b))
-    if a[:hi] == b[:hi]:
-        return hi
-    while lo < hi - 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 @dataclass
@@ -93,7 +79,7 @@ class DecoderDraftSession:
             order = [b, *(c for c in range(len(self.held)) if c != b)] if b < len(self.held) else range(len(self.held))
             best, shared = 0, -1
             for c in order:
-                n = _common_prefix(self.held[c], row.tokens)
+                n = common_prefix(self.held[c], row.tokens)
                 if n > shared:
                     best, shared = c, n
                 if shared >= len(row.tokens) - 1:
