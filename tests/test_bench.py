@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,17 +14,17 @@ from app.tools.manifest import read_manifest
 from tests.conftest import run_app
 
 
+def _bench(benchdata: Path, tmp_path: Path, *args: str) -> dict[str, Any]:
+    """`python -m app bench` on the benchdata manifest with `args`: its JSON report (the command must succeed)."""
+    out_json = tmp_path / "bench.json"
+    out = run_app("bench", "--manifest", str(benchdata / "manifest.jsonl"), *args, "--json", str(out_json), timeout=900)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out_json.read_text())  # type: ignore[no-any-return]
+
+
 @pytest.mark.slow  # the whole bench, with reference decoders and a child process per mode
 def test_bench_reports_identical_tokens_and_ratios(benchdata: Path, tmp_path: Path) -> None:
-    out_json = tmp_path / "bench.json"
-    out = run_app(
-        "bench",
-        *("--manifest", str(benchdata / "manifest.jsonl"), "--languages", "en,es", "--limit", "3", "--batch", "2"),
-        *("--json", str(out_json)),
-        timeout=900,
-    )
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out_json.read_text())
+    report = _bench(benchdata, tmp_path, "--languages", "en,es", "--limit", "3", "--batch", "2")
     for key in (
         "clips",
         "identical_fraction",
@@ -90,15 +91,10 @@ def test_clip_selection_by_language_subset_and_length(benchdata: Path) -> None:
 def test_bench_compares_beam_search_with_greedy_and_faster_whisper(benchdata: Path, tmp_path: Path) -> None:
     """`bench --beam 1,5` runs greedy and beam-5 decoding, plain and speculative, and faster-whisper's beam 5 on
     the same clips and reports the beam-search targets as ratios of that run."""
-    out_json = tmp_path / "bench.json"
-    out = run_app(
-        "bench",
-        *("--manifest", str(benchdata / "manifest.jsonl"), "--languages", "en", "--limit", "3", "--beam", "1,5"),
-        *("--compare-faster-whisper", "--no-rss-split", "--json", str(out_json)),
-        timeout=900,
-    )
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out_json.read_text())
+    report = _bench(
+        benchdata, tmp_path, "--languages", "en", "--limit", "3", "--beam", "1,5", "--compare-faster-whisper",
+        "--no-rss-split",
+    )  # fmt: skip
     greedy, beam = report["beams"]["1"], report["beams"]["5"]
     assert greedy["clips"] == beam["clips"] == 3
     assert greedy["identical_fraction"] == beam["identical_fraction"] == 1.0
