@@ -1,4 +1,4 @@
-"""The FastAPI app factory: the lifespan owns the worker, the batcher and the metrics."""
+"""The FastAPI app factory: the lifespan owns the engine (local worker or cluster client), the VAD and metrics."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.api import errors
-from app.api.audio import SAMPLE_RATE
 from app.api.formats import language_names
 from app.server.http.auth import authorized, bearer
 from app.server.http.limits import BodyLimit, ClientGone
@@ -29,23 +28,13 @@ from app.server.serving.status import ServerStatus
 from app.server.vad import SileroVad
 from app.server.web import STATIC
 from app.server.web import router as web_router
-from app.server.worker.batcher import Batcher
-from app.server.worker.protocol import Ready
-from app.server.worker.supervisor import WorkerSupervisor
+from app.server.worker.client import EngineClient
+from app.server.worker.local import LocalWorker
 from app.settings import Settings
 
 log = logging.getLogger("specwhisper.server")
 PUBLIC_PATHS = ("/health/", "/metrics", "/stats", "/static/")
 MULTIPART_OVERHEAD = 64 * 1024
-
-
-def _label(value: str | int | bool | None) -> str:
-    """A Prometheus label value: "" for unknown, "true"/"false" for flags."""
-    if value is None:
-        return ""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
 
 
 def _load_in_background(load: Callable[[], object], what: str) -> asyncio.Future[object]:
@@ -64,43 +53,39 @@ def _error_response(err: errors.ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=dict(err.headers))
 
 
-def create_app(settings: Settings | None = None, *, on_fatal: Callable[[str], None] | None = None) -> FastAPI:
+EngineFactory = Callable[[Settings, ServerMetrics], EngineClient]
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    on_fatal: Callable[[str], None] | None = None,
+    engine: EngineFactory | None = None,
+) -> FastAPI:
     """The app; `on_fatal(reason)` is called when it can never serve (the worker cannot load the models).
 
     Without `on_fatal` such an app stays up and says why in `/health/ready` and in its 503s;
     `python -m app serve` passes one that stops the server with exit status 1.
+    `engine` makes the engine the lifespan starts: a worker process of this machine (`LocalWorker`) unless
+    given (on Ray Serve, the engine replicas' client).
     """
     settings = settings or Settings()
     metrics = ServerMetrics()
 
-    def on_ready(ready: Ready) -> None:
-        metrics.worker_up.set(1)
-        metrics.model_load_seconds.set(ready.load_seconds)
-        metrics.engine.info({key: _label(value) for key, value in ready.engine.items()})
-        metrics.mode_cost.clear()  # a restarted worker measures afresh
+    def local(settings: Settings, metrics: ServerMetrics) -> EngineClient:
+        return LocalWorker(settings, metrics, on_fatal)
+
+    make_engine = engine or local
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redact_logs(settings.api_keys)  # uvicorn has configured logging by now
-        worker = WorkerSupervisor(
-            settings, on_ready=on_ready, on_batch=lambda r: metrics.observe_batch(r.mode, r.costs()), on_fatal=on_fatal
-        )
-        batcher = Batcher(
-            worker,
-            metrics,
-            settings.max_batch,
-            settings.batch_window_ms / 1000,
-            settings.queue_size,
-            settings.realtime_partial_max_wait_s,
-            max_queued_samples=round(settings.max_queued_audio_seconds * SAMPLE_RATE),
-            max_rows=max(settings.max_batch_rows, settings.max_batch),
-        )
+        client = make_engine(settings, metrics)
         vad = SileroVad()
-        service = TranscriptionService(settings, batcher, metrics, vad)
+        service = TranscriptionService(settings, client, metrics, vad)
         app.state.service = service
-        app.state.status = ServerStatus(worker, batcher, metrics, service)
-        worker.start()
-        batcher.start()
+        app.state.status = ServerStatus(client, metrics, service)
+        await client.start()
         # While the worker loads its models (readiness waits for the VAD too); the server answers meanwhile.
         # verbose_json's language names come from transformers, whose import would stall the event loop.
         loading = [
@@ -114,8 +99,7 @@ def create_app(settings: Settings | None = None, *, on_fatal: Callable[[str], No
                 if not task.done():
                     task.cancel()
             log.info("shutting down: draining in-flight work (up to %.0f s)", settings.shutdown_timeout_s)
-            await batcher.drain(settings.shutdown_timeout_s)
-            await worker.stop()
+            await client.close(settings.shutdown_timeout_s)
 
     app = FastAPI(title="SpecWhisper", version="0.1.0", lifespan=lifespan)
     app.include_router(router)

@@ -25,9 +25,16 @@ from app.api.types import FALLBACK_TEMPERATURES, DecodingOptions, InvalidRequest
 from app.server.metrics import ServerMetrics
 from app.server.serving.chunking import CHUNK_SECONDS, Chunk, merge, normalized, plan
 from app.server.vad import SileroVad, VadParams, server_vad
-from app.server.worker.batcher import Batcher, Lane, Pending, QueueFull, ShuttingDown
+from app.server.worker.client import (
+    EngineClient,
+    Lane,
+    NoUsableModel,
+    Pending,
+    QueueFull,
+    ShuttingDown,
+    WorkerUnavailable,
+)
 from app.server.worker.protocol import Job
-from app.server.worker.supervisor import NoUsableModel, WorkerUnavailable
 from app.settings import Settings
 
 NON_AUDIO_TYPES = ("text/", "image/", "application/json", "application/xml", "application/pdf")
@@ -147,9 +154,9 @@ class TooManySessions(Exception):
 
 
 class TranscriptionService:
-    def __init__(self, settings: Settings, batcher: Batcher, metrics: ServerMetrics, vad: SileroVad) -> None:
+    def __init__(self, settings: Settings, engine: EngineClient, metrics: ServerMetrics, vad: SileroVad) -> None:
         self.settings = settings
-        self.batcher = batcher
+        self.engine = engine
         self.metrics = metrics
         self.vad = vad
         self.model_id = settings.served_model_name or settings.model.rstrip("/").split("/")[-1]
@@ -313,7 +320,7 @@ class TranscriptionService:
     @property
     def work_queued(self) -> bool:
         """Whether any job waits for the worker (a live partial, best effort, would only delay it)."""
-        return self.batcher.depth > 0
+        return self.engine.depth > 0
 
     def early_final(self, used: bool) -> None:
         """Count a live final begun at a pause: `used` as the utterance's final, or dropped."""
@@ -324,15 +331,19 @@ class TranscriptionService:
         self.metrics.realtime_errors.labels(code=code).inc()
 
     # -- the queue ------------------------------------------------------------------------------------
+    def _refused(self, exc: QueueFull | WorkerUnavailable | ShuttingDown, when: str = "") -> errors.ApiError:
+        """The answer to a job the engine would not take (429) or could not run (503)."""
+        if isinstance(exc, QueueFull):
+            return errors.queue_full(retry_after=exc.retry_after or self.engine.retry_after())
+        if isinstance(exc, NoUsableModel):
+            return errors.not_ready(str(exc), final=True)
+        return errors.not_ready(f"{when}{exc}")
+
     def submit(self, job: Job, lane: Lane = Lane.UPLOAD) -> Pending:
         try:
-            return self.batcher.submit(job, lane)
-        except QueueFull as exc:
-            raise errors.queue_full(retry_after=self.batcher.retry_after()) from exc
-        except NoUsableModel as exc:
-            raise errors.not_ready(str(exc), final=True) from exc
-        except (WorkerUnavailable, ShuttingDown) as exc:
-            raise errors.not_ready(str(exc)) from exc
+            return self.engine.submit(job, lane)
+        except (QueueFull, WorkerUnavailable, ShuttingDown) as exc:
+            raise self._refused(exc) from exc
 
     async def result(self, pending: Pending) -> tuple[Transcription, float]:
         """Wait for a submitted job: its transcription and the time it queued (ms)."""
@@ -344,8 +355,8 @@ class TranscriptionService:
         except asyncio.CancelledError:
             pending.future.cancel()  # the client went away: drop the queued work
             raise
-        except (WorkerUnavailable, ShuttingDown) as exc:
-            raise errors.not_ready(f"Transcription failed: {exc}") from exc
+        except (QueueFull, WorkerUnavailable, ShuttingDown) as exc:
+            raise self._refused(exc, "Transcription failed: ") from exc
         if result.internal:
             raise errors.ApiError(500, result.error or "internal error", type="server_error", code="internal_error")
         if result.error is not None or result.transcription is None:

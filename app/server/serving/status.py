@@ -8,46 +8,45 @@ from prometheus_client import generate_latest
 
 from app.server.metrics import Samples, ServerMetrics, samples_by_name
 from app.server.serving.service import TranscriptionService
-from app.server.worker.batcher import Batcher
-from app.server.worker.supervisor import WorkerSupervisor
+from app.server.worker.client import EngineClient
 
 
 class ServerStatus:
-    """Reads the worker's supervisor, the queue and the metrics; changes nothing but the gauges it reports."""
+    """Reads the engine, the queue and the metrics; changes nothing but the gauges it reports."""
 
-    def __init__(
-        self, worker: WorkerSupervisor, batcher: Batcher, metrics: ServerMetrics, service: TranscriptionService
-    ) -> None:
-        self.worker = worker
-        self.batcher = batcher
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics, service: TranscriptionService) -> None:
+        self.engine = engine
         self.metrics = metrics
         self.service = service
 
     def readiness(self) -> tuple[dict[str, Any], bool]:
         """The body of `/health/ready` and whether the server is ready to serve (the worker, and the VAD)."""
-        worker, ready = self.worker, self.worker.ready
-        is_ready = worker.is_ready and self.service.vad.loaded
+        health = self.engine.health()
+        ready = health.ready
+        is_ready = health.is_ready and self.service.vad.loaded
         body: dict[str, Any] = {
             "ready": is_ready,
             "model": ready.model if ready else None,
             "assistant": ready.assistant if ready else None,
             "engine": ready.engine if ready else None,
-            "queue_depth": self.batcher.depth,
-            "worker_restarts": worker.restarts,
-            "worker_pid": worker.pid,
+            "queue_depth": self.engine.depth,
+            "worker_restarts": health.restarts,
+            "worker_pid": health.pid,
         }
-        if worker.failure is not None:
-            body["error"] = worker.failure
+        if health.replicas is not None:
+            body["replicas"] = health.replicas
+        if health.failure is not None:
+            body["error"] = health.failure
         if not self.service.vad.loaded:
             body["vad"] = "loading"
         return body, is_ready
 
     def exposition(self) -> bytes:
         """The Prometheus text exposition, with the queue and worker gauges read now."""
-        m = self.metrics
-        m.queue_depth.set(self.batcher.depth)
-        m.worker_up.set(1 if self.worker.is_ready else 0)
-        m.worker_restarts.set(self.worker.restarts)
+        m, health = self.metrics, self.engine.health()
+        m.queue_depth.set(self.engine.depth)
+        m.worker_up.set(1 if health.is_ready else 0)
+        m.worker_restarts.set(health.restarts)
         return generate_latest(m.registry)
 
     def live_counters(self) -> dict[str, Any]:
@@ -58,13 +57,14 @@ class ServerStatus:
         for size in ("1.0", "2.0", "3.0", "4.0"):
             sizes[str(int(float(size)))] = buckets.get(size, 0.0) - below
             below = buckets.get(size, below)
-        ready = self.worker.ready
+        health = self.engine.health()
+        ready = health.ready
         return {
-            "ready": self.worker.is_ready,
+            "ready": health.is_ready,
             "model": ready.model if ready else None,
             "assistant": ready.assistant if ready else None,
-            "queue_depth": self.batcher.depth,
-            "inflight": self.batcher.inflight,
+            "queue_depth": self.engine.depth,
+            "inflight": self.engine.inflight,
             "batches": sizes,
             "requests": _total(s, "specwhisper_requests_total"),
             "audio_seconds": _total(s, "specwhisper_audio_seconds_total"),
@@ -72,7 +72,7 @@ class ServerStatus:
             "drafted": _total(s, "specwhisper_draft_proposed_total"),
             "accepted": _total(s, "specwhisper_draft_accepted_total"),
             "realtime_sessions": self.service.live_sessions,
-            "worker_restarts": self.worker.restarts,
+            "worker_restarts": health.restarts,
         }
 
 

@@ -10,44 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import functools
 import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from app.api.types import Segment
 from app.server.metrics import ServerMetrics
+from app.server.worker.client import Lane, Pending, QueueFull, ShuttingDown, WorkerUnavailable
 from app.server.worker.protocol import Job, JobResult, Progress
-from app.server.worker.supervisor import WorkerSupervisor, WorkerUnavailable
+from app.server.worker.supervisor import WorkerSupervisor
 
 log = logging.getLogger("specwhisper.batcher")
-
-
-class QueueFull(RuntimeError):
-    pass
-
-
-class ShuttingDown(RuntimeError):
-    pass
-
-
-class Lane(enum.IntEnum):
-    LIVE_FINAL = 0
-    UPLOAD = 1
-    LIVE_PARTIAL = 2
-
-
-@dataclass
-class Pending:
-    job: Job
-    future: asyncio.Future[JobResult]
-    lane: Lane = Lane.UPLOAD
-    progress: asyncio.Queue[list[Segment]] | None = None  # segments of a streaming job, as they come
-    enqueued: float = field(default_factory=time.perf_counter)
-    dispatched: float = 0.0
 
 
 class Batcher:
@@ -104,11 +79,11 @@ class Batcher:
         # A finished utterance may use the last slots; uploads and partials leave room for it.
         limit = self.queue_size if lane is Lane.LIVE_FINAL else max(1, self.queue_size - self.max_batch)
         if self.depth >= limit:
-            raise QueueFull
+            raise QueueFull(self.retry_after())
         # The queue holds decoded audio (4 bytes a sample); a long file waits only where it fits.
         budget = self.max_queued_samples
         if budget is not None and self.depth and self.queued_samples + job.audio.size > budget:
-            raise QueueFull
+            raise QueueFull(self.retry_after())
         progress: asyncio.Queue[list[Segment]] | None = asyncio.Queue() if job.stream else None
         pending = Pending(job, asyncio.get_running_loop().create_future(), lane, progress)
         self.lanes[lane].append(pending)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
+from app.server.worker.client import NoUsableModel, WorkerUnavailable
 from app.server.worker.process import worker_main
 from app.server.worker.protocol import (
     BatchRequest,
@@ -30,14 +31,6 @@ from app.settings import Settings
 log = logging.getLogger("specwhisper.supervisor")
 
 MAX_RESTART_DELAY_S = 30.0
-
-
-class WorkerUnavailable(RuntimeError):
-    """The worker is loading, restarting, or died while running the batch."""
-
-
-class NoUsableModel(WorkerUnavailable):
-    """The worker cannot load the models the settings name, and is not restarted: retrying is futile."""
 
 
 class WorkerSupervisor:
