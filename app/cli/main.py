@@ -56,6 +56,8 @@ def _transcribe(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.ray is not None:
+        return _serve_on_ray(args)
     import uvicorn
 
     from app.server.app import create_app
@@ -82,6 +84,20 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"error: the server stopped: {failures[0]}", file=sys.stderr)
         return 1
     return 0 if server.started else 3  # 3: uvicorn's own status for a failed start-up
+
+
+def _serve_on_ray(args: argparse.Namespace) -> int:
+    from app.server.cluster.run import serve_on_ray
+
+    settings = _settings(args)
+    options = {
+        key: value
+        for key in ("min_replicas", "max_replicas", "replica_cpus", "replica_gpus")
+        if (value := getattr(args, key)) is not None
+    }
+    return serve_on_ray(
+        args.ray, {"settings": _overrides(args), **options}, args.host or settings.host, args.port or settings.port
+    )
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -226,6 +242,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
     _add_common(serve)
+    cluster = serve.add_argument_group("on a Ray cluster (the `ray` extra; docs/deployment.md)")
+    cluster.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="serve with Ray Serve on the cluster at ADDRESS ('auto': the one this machine is a node of;"
+        " 'local': start one here), engine replicas scaled by load",
+    )
+    cluster.add_argument("--min-replicas", type=int, help="engine replicas kept however idle (default 1)")
+    cluster.add_argument("--max-replicas", type=int, help="engine replicas at most (default 4)")
+    cluster.add_argument("--replica-cpus", type=float, help="CPUs reserved per engine replica (default 1)")
+    cluster.add_argument("--replica-gpus", type=float, help="GPUs per engine replica (default 0)")
     serve.set_defaults(handler=_serve)
 
     bench = commands.add_parser("bench", help="main-only vs speculative, side by side")

@@ -61,13 +61,15 @@ def create_app(
     *,
     on_fatal: Callable[[str], None] | None = None,
     engine: EngineFactory | None = None,
+    preload: bool = False,
 ) -> FastAPI:
     """The app; `on_fatal(reason)` is called when it can never serve (the worker cannot load the models).
 
     Without `on_fatal` such an app stays up and says why in `/health/ready` and in its 503s;
     `python -m app serve` passes one that stops the server with exit status 1.
     `engine` makes the engine the lifespan starts: a worker process of this machine (`LocalWorker`) unless
-    given (on Ray Serve, the engine replicas' client).
+    given (on Ray Serve, the engine replicas' client). `preload`: start-up waits for the VAD (Ray Serve sends an
+    ingress replica requests once its start-up is done); otherwise it loads while the server already answers.
     """
     settings = settings or Settings()
     metrics = ServerMetrics()
@@ -92,6 +94,8 @@ def create_app(
             _load_in_background(vad.load, "the VAD (silero-vad)"),
             _load_in_background(language_names, "the language names (transformers)"),
         ]
+        if preload:
+            await asyncio.gather(*loading)
         try:
             yield
         finally:

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -30,8 +31,16 @@ class ServerProcess:
     group's id), so that the whole group can be signalled as a shell or a service manager would.
     """
 
-    def __init__(self, env: dict[str, str] | None = None, log: Path | None = None, *, own_group: bool = False) -> None:
+    def __init__(
+        self,
+        env: dict[str, str] | None = None,
+        log: Path | None = None,
+        *,
+        own_group: bool = False,
+        args: Sequence[str] = (),
+    ) -> None:
         self.own_group = own_group
+        self.args = tuple(args)  # more flags of `serve`
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {**os.environ, **(env or {})}
@@ -43,7 +52,7 @@ class ServerProcess:
         if forbidden := os.environ.get(FORBID_START):
             raise RuntimeError(f"no server may be started here ({FORBID_START}={forbidden}): mark the test `server`")
         out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - the child's
-        cmd = [sys.executable, "-m", "app", "serve", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "app", "serve", "--port", str(self.port), *self.args]
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=out, start_new_session=self.own_group)
         return self
 
