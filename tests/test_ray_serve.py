@@ -36,6 +36,18 @@ SLOT = "specwhisper_engine"  # a custom resource: one engine replica fits on eac
 REPLICA_PREFIX = f"SERVE_REPLICA::{APP_NAME}#{ENGINE}#"
 
 
+ARGS = {
+    "settings": {"threads": 1, "shutdown_timeout_s": 10},
+    "min_replicas": 1,
+    "max_replicas": 2,
+    "initial_replicas": 2,
+    "replica_resources": {SLOT: 1},
+    "upscale_delay_s": 2,
+    "downscale_delay_s": 10,
+    "look_back_period_s": 12,
+}
+
+
 @dataclass
 class RayCluster:
     cluster: Cluster
@@ -77,19 +89,7 @@ def cluster() -> Iterator[RayCluster]:
 def url(cluster: RayCluster) -> str:
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-    app = build(
-        {
-            "settings": {"threads": 1, "shutdown_timeout_s": 10},
-            "min_replicas": 1,
-            "max_replicas": 2,
-            "initial_replicas": 2,
-            "replica_resources": {SLOT: 1},
-            "upscale_delay_s": 2,
-            "downscale_delay_s": 10,
-            "look_back_period_s": 12,
-        }
-    )
-    serve.run(app, name=APP_NAME, route_prefix="/")
+    serve.run(build(ARGS), name=APP_NAME, route_prefix="/")
     address = f"http://127.0.0.1:{port}"
     assert httpx.get(f"{address}/health/ready", timeout=30).status_code == 200
     return address
@@ -211,6 +211,16 @@ def test_replicas_on_both_nodes_answer_uploads_and_a_live_session(
             check_text(manifest, *future.result())
     check_text(manifest, "ljspeech/LJ001-0001", live.result())
     check_text(manifest, "whisper/jfk", streamed.result())
+    # A client's request id comes back once, as from the standalone server; errors keep OpenAI's shape.
+    r = httpx.post(
+        f"{url}/v1/audio/transcriptions",
+        data={"model": "no-such-model"},
+        files={"file": encode(audio["whisper/jfk"], "wav")},
+        headers={"X-Request-Id": "ray-test-1"},
+        timeout=60,
+    )
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
+    assert r.headers.get_list("x-request-id") == ["ray-test-1"]
 
     # Each node's replica ran batches, as its own metrics (through the node's Ray metrics agent) show.
     def batches() -> dict[str, dict[str, float]]:
@@ -255,6 +265,24 @@ def test_autoscaling_down_when_idle_and_up_under_load(
     again = wait_for("idle again: 1 replica", lambda: running_replicas() == 1 and len(replica_names()) == 1, 120)
     print(f"autoscaling: down to 1 in {down:.0f} s idle, up to 2 in {up:.0f} s under load, down in {again:.0f} s")
     load.check(manifest)
+
+
+def test_a_rolling_update_drains_the_old_replicas(
+    url: str, audio: dict[str, np.ndarray], manifest: dict[str, ManifestClip]
+) -> None:
+    """A new version (a changed setting) replaces every replica, ingress and engine, under load: each old one
+    stops taking requests, finishes those it has, and goes; nothing is lost or retried."""
+    old = replica_names()
+    changed = {**ARGS, "settings": {**ARGS["settings"], "batch_window_ms": 5}}  # type: ignore[dict-item]
+    with Load(url, audio, clients=4) as load:
+        wait_for("uploads answered", lambda: len(load.answers) >= 4, 120)
+        serve.run(build(changed), name=APP_NAME, route_prefix="/")  # returns once the new version runs
+        took = wait_for("the old replicas gone", lambda: not replica_names() & old, 120)
+        answered = len(load.answers)
+        wait_for("uploads answered by the new version", lambda: len(load.answers) >= answered + 4, 120)
+    print(f"rolling update under load: {len(load.answers)} uploads answered, old replicas gone {took:.0f} s after")
+    load.check(manifest)
+    assert load.retried == 0
 
 
 def test_losing_a_node_leaves_the_service_answering(

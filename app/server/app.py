@@ -62,6 +62,7 @@ def create_app(
     on_fatal: Callable[[str], None] | None = None,
     engine: EngineFactory | None = None,
     preload: bool = False,
+    echo_request_id: bool = True,
 ) -> FastAPI:
     """The app; `on_fatal(reason)` is called when it can never serve (the worker cannot load the models).
 
@@ -70,6 +71,7 @@ def create_app(
     `engine` makes the engine the lifespan starts: a worker process of this machine (`LocalWorker`) unless
     given (on Ray Serve, the engine replicas' client). `preload`: start-up waits for the VAD (Ray Serve sends an
     ingress replica requests once its start-up is done); otherwise it loads while the server already answers.
+    `echo_request_id`: answer with the request's `X-Request-Id` (Serve's proxy does that itself).
     """
     settings = settings or Settings()
     metrics = ServerMetrics()
@@ -142,7 +144,8 @@ def create_app(
         request.state.request_id = request_id
         response = _precheck(request, settings) or await call_next(request)
         elapsed = (time.perf_counter() - started) * 1000
-        response.headers["X-Request-Id"] = request_id
+        if echo_request_id:
+            response.headers["X-Request-Id"] = request_id
         timing = f"total;dur={elapsed:.1f}"
         if extra := response.headers.get("x-timing-detail"):
             timing = f"{extra}, {timing}"

@@ -66,7 +66,8 @@ class Ingress:
             export = RayMetricsExport(metrics.registry)
             return ServeEngineClient(self.engine, settings, replicas=_running_replicas, export=export)
 
-        return create_app(self.settings, engine=client, preload=True)
+        # Serve's proxy gives each request an X-Request-Id (the client's, if it sent one) and echoes it
+        return create_app(self.settings, engine=client, preload=True, echo_request_id=False)
 
 
 def _running_replicas() -> int:

@@ -13,10 +13,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
 
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from app.server.cluster.export import RayMetricsExport
 from app.server.cluster.protocol import Finished, Refused, ReplicaState
@@ -44,12 +45,19 @@ class ServeEngineClient:
 
     `replicas()` counts the running replicas (Serve's controller knows); readiness and the model's description
     come from one replica's `state()`, polled every second. `export`, when given, runs while the client does.
+    A replica exists only once its models are loaded (models that cannot load fail its constructor, and Serve
+    reports the deployment unhealthy), so "no replica yet" is the one reason to turn a job away here.
     """
 
     def __init__(
-        self, handle: Any, settings: Settings, replicas: Any = None, export: RayMetricsExport | None = None
+        self,
+        handle: DeploymentHandle,
+        settings: Settings,
+        replicas: Callable[[], int] | None = None,
+        export: RayMetricsExport | None = None,
     ) -> None:
         self.handle = handle
+        self._stream = handle.options(stream=True)
         self.settings = settings
         self.count_replicas = replicas
         self.export = export
@@ -114,8 +122,6 @@ class ServeEngineClient:
     def submit(self, job: Job, lane: Lane = Lane.UPLOAD) -> Pending:
         if self._closed:
             raise ShuttingDown("the server is shutting down")
-        if self._state is not None and self._state.health.failure is not None:
-            raise NoUsableModel(f"the engine replicas cannot load the models: {self._state.health.failure}")
         if self._state is None:  # once one was, jobs wait in the handle while Serve replaces replicas
             raise WorkerUnavailable("no engine replica is ready yet")
         loop = asyncio.get_running_loop()
@@ -136,7 +142,8 @@ class ServeEngineClient:
         delivered = 0  # progress messages handed on: a retry skips as many
         for attempt in range(RETRIES + 1):
             last = attempt == RETRIES
-            stream = self.handle.options(stream=True).run.remote(pending.job, pending.lane)
+            stream = self._stream.run.remote(pending.job, pending.lane)
+            assert isinstance(stream, DeploymentResponseGenerator)
             seen = 0
             try:
                 async for message in stream:

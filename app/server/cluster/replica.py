@@ -9,7 +9,6 @@ cannot load (`check_health`), and drains one it scales down (`__del__`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -59,6 +58,7 @@ class EngineReplica:
             raise RuntimeError(f"the replica's worker is not ready: {health.failure or 'timed out'}")
         self.export = RayMetricsExport(self.metrics.registry)
         self.export.start()
+        self._unready_since: float | None = None
 
     async def run(self, job: Job, lane: Lane) -> AsyncIterator[list[Segment] | Refused | Finished]:
         """Queue `job` in `lane`; yields its segments as they come (a streaming job), then Finished, or Refused.
@@ -86,17 +86,28 @@ class EngineReplica:
         return ReplicaState(self.worker.health(), self.worker.depth, self.worker.inflight)
 
     def check_health(self) -> None:
-        """Serve's health check: a worker that can never load its models fails it (Serve replaces the replica)."""
-        failure = self.worker.health().failure
-        if failure is not None:
-            raise RuntimeError(f"the worker cannot load the models: {failure}")
+        """Serve's health check (every few seconds): it fails, and Serve replaces the replica, when the worker
+        can no longer load its models, or has not been ready for `worker_start_timeout_s` (a worker that keeps
+        crashing is restarted by its supervisor with growing delays; a new replica may fare better)."""
+        health = self.worker.health()
+        if health.failure is not None:
+            raise RuntimeError(f"the worker cannot load the models: {health.failure}")
+        now = time.monotonic()
+        if health.is_ready:
+            self._unready_since = None
+        elif self._unready_since is None:
+            self._unready_since = now
+        elif now - self._unready_since > self.settings.worker_start_timeout_s:
+            raise RuntimeError(f"the worker has not been ready for {now - self._unready_since:.0f} s")
 
     async def __del__(self) -> None:
         """Serve scales this replica down or replaces it: finish queued and running work, then stop the worker."""
-        with contextlib.suppress(AttributeError):  # a constructor that failed midway
-            self.export.stop()
-        log.info("replica stopping: draining (up to %.0f s)", self.settings.shutdown_timeout_s)
-        await self.worker.close(self.settings.shutdown_timeout_s)
+        export, worker = getattr(self, "export", None), getattr(self, "worker", None)  # a constructor may have failed
+        if export is not None:
+            export.stop()
+        if worker is not None:
+            log.info("replica stopping: draining (up to %.0f s)", self.settings.shutdown_timeout_s)
+            await worker.close(self.settings.shutdown_timeout_s)
 
 
 def _refused(exc: WorkerUnavailable | ShuttingDown) -> Refused:
