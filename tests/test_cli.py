@@ -152,6 +152,8 @@ for module in pkgutil.walk_packages(app.__path__, "app."):
         try:
             importlib.import_module(module.name)
         except ImportError as exc:
+            if module.name.startswith("app.server.cluster") and "specwhisper[ray]" in str(exc):
+                continue  # the `ray` extra's package says which extra it needs
             failed.append(f"{module.name}: {exc}")
 print("\n".join(failed))
 """
@@ -159,7 +161,8 @@ print("\n".join(failed))
 
 def test_a_plain_install_runs_the_cli_and_every_module() -> None:
     """The images run `pip install .`: with only the core dependencies (and what they pull in) importable,
-    the CLI parses and every module imports; extras stay behind function-level imports."""
+    the CLI parses and every module imports; extras stay behind function-level imports, except the Ray
+    package, which names the extra it needs."""
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "-c", CORE_ONLY], cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

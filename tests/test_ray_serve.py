@@ -302,3 +302,25 @@ def test_losing_a_node_leaves_the_service_answering(
     r = transcribe(url, *encode(audio["whisper/jfk"], "wav"))
     assert r.status_code == 200
     check_text(manifest, "whisper/jfk", r.json()["text"])
+
+
+def test_a_full_deployment_answers_429_with_retry_after(
+    url: str, audio: dict[str, np.ndarray], manifest: dict[str, ManifestClip]
+) -> None:
+    """Backpressure as in the standalone server: with room for one job per replica and one waiting per
+    ingress, a burst gets 429s with `Retry-After` in OpenAI's error shape, the rest their text, no 5xx."""
+    tiny = {**ARGS, "settings": {**ARGS["settings"], "queue_size": 1, "max_batch": 1}}
+    tiny |= {"initial_replicas": 1, "max_replicas": 1}
+    serve.run(build(tiny), name=APP_NAME, route_prefix="/")  # type: ignore[arg-type]
+    wait_for("ready", lambda: httpx.get(f"{url}/health/ready", timeout=10).status_code == 200, 120)
+    data = encode(audio["whisper/jfk"], "flac")
+    with cf.ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(lambda _: transcribe(url, *data), range(12)))
+    statuses = sorted(r.status_code for r in answers)
+    print(f"a burst of 12 against room for 1 running and 1 waiting per ingress: {statuses}")
+    assert set(statuses) <= {200, 429} and 200 in statuses and 429 in statuses, statuses
+    for r in answers:
+        if r.status_code == 429:
+            assert r.json()["error"]["type"] and r.headers["retry-after"].isdigit(), r.text
+        else:
+            check_text(manifest, "whisper/jfk", r.json()["text"])

@@ -87,7 +87,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _serve_on_ray(args: argparse.Namespace) -> int:
-    from app.server.cluster.run import serve_on_ray
+    try:
+        from app.server.cluster.run import serve_on_ray
+    except ImportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
     settings = _settings(args)
     options = {

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
@@ -141,41 +142,47 @@ class ServeEngineClient:
         """Send the job to a replica (once more if that one dies) and settle `pending` with the outcome."""
         delivered = 0  # progress messages handed on: a retry skips as many
         for attempt in range(RETRIES + 1):
-            last = attempt == RETRIES
-            stream = self._stream.run.remote(pending.job, pending.lane)
-            assert isinstance(stream, DeploymentResponseGenerator)
-            seen = 0
-            try:
-                async for message in stream:
-                    if isinstance(message, Finished):
-                        pending.dispatched = time.perf_counter() - message.running_s
-                        _settle(pending, message.result)
-                        return
-                    if isinstance(message, Refused):
-                        if message.reason in ("unavailable", "shutting_down") and not last:
-                            break  # its worker died, or it is being scaled down: another replica may run it
-                        _settle(pending, self._refusal(message))
-                        return
-                    seen += 1
-                    if seen > delivered and pending.progress is not None:
-                        pending.progress.put_nowait(message)
-                        delivered = seen
-            except asyncio.CancelledError:
+            outcome, delivered = await self._attempt(pending, delivered, last=attempt == RETRIES)
+            if outcome is not None:
+                _settle(pending, outcome)
+                return
+            log.warning("job %s: its replica died or is going; sending it to another", pending.job.request_id)
+
+    async def _attempt(
+        self, pending: Pending, delivered: int, *, last: bool
+    ) -> tuple[JobResult | Exception | None, int]:
+        """One replica's try: the job's outcome (None: another replica should try), and the progress messages
+        delivered by now."""
+        stream: DeploymentResponseGenerator[Any] | None = None
+        seen = 0
+        try:
+            response = self._stream.run.remote(pending.job, pending.lane)
+            assert isinstance(response, DeploymentResponseGenerator)
+            stream = response
+            async for message in stream:
+                if isinstance(message, Finished):
+                    pending.dispatched = time.perf_counter() - message.running_s
+                    return message.result, delivered
+                if isinstance(message, Refused):
+                    again = message.reason in ("unavailable", "shutting_down") and not last
+                    return (None if again else self._refusal(message)), delivered
+                seen += 1
+                if seen > delivered and pending.progress is not None:
+                    pending.progress.put_nowait(message)
+                    delivered = seen
+        except asyncio.CancelledError:
+            if stream is not None:
                 stream.cancel()  # the client left: the replica drops or stops the job
-                raise
-            except BackPressureError:
-                _settle(pending, QueueFull(self._retry_after))
-                return
-            except RayActorError as exc:
-                if last:
-                    _settle(pending, WorkerUnavailable(f"the engine replica died while transcribing: {exc}"))
-                    return
-            except Exception as exc:
-                log.exception("job %s failed on the cluster", pending.job.request_id)
-                _settle(pending, WorkerUnavailable(f"the engine replica failed: {exc}"))
-                return
-            log.warning("job %s: its replica died; sending it to another", pending.job.request_id)
-        _settle(pending, WorkerUnavailable("the engine replicas died while transcribing"))
+            raise
+        except BackPressureError:  # the handle holds max_queued_requests already
+            return QueueFull(self._retry_after), delivered
+        except RayActorError as exc:
+            died = WorkerUnavailable(f"the engine replica died while transcribing: {exc}")
+            return (died if last else None), delivered
+        except Exception as exc:
+            log.exception("job %s failed on the cluster", pending.job.request_id)
+            return WorkerUnavailable(f"the engine replica failed: {exc}"), delivered
+        return WorkerUnavailable("the engine replica ended the job without a result"), delivered
 
     def _refusal(self, refused: Refused) -> Exception:
         if refused.reason == "queue_full":
