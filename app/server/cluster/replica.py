@@ -8,40 +8,27 @@ cannot load (`check_health`), and drains one it scales down (`__del__`).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 from app.api.types import Segment
 from app.server.cluster.export import RayMetricsExport
 from app.server.cluster.protocol import Finished, Refused, ReplicaState
 from app.server.metrics import ServerMetrics
-from app.server.worker.client import Lane, NoUsableModel, Pending, QueueFull, ShuttingDown, WorkerUnavailable
+from app.server.worker.client import (
+    Lane,
+    NoUsableModel,
+    QueueFull,
+    ShuttingDown,
+    WorkerUnavailable,
+    progress_until,
+)
 from app.server.worker.local import LocalWorker
 from app.server.worker.protocol import Job
 from app.settings import Settings
 
 log = logging.getLogger("specwhisper.cluster")
-
-
-async def _progress(pending: Pending) -> AsyncIterator[list[Segment]]:
-    """A streaming job's segments as they come, until its result is in (and every segment was taken)."""
-    progress = pending.progress
-    if progress is None:
-        return
-    while not (pending.future.done() and progress.empty()):
-        if not progress.empty():
-            yield progress.get_nowait()
-            continue
-        arrival: asyncio.Future[Any] = asyncio.ensure_future(progress.get())
-        outcome: asyncio.Future[Any] = pending.future
-        await asyncio.wait([arrival, outcome], return_when=asyncio.FIRST_COMPLETED)
-        if arrival.done():
-            yield arrival.result()
-        else:
-            arrival.cancel()
 
 
 class EngineReplica:
@@ -72,8 +59,9 @@ class EngineReplica:
             yield _refused(exc)
             return
         try:
-            async for segments in _progress(pending):
-                yield segments
+            if pending.progress is not None:
+                async for segments in progress_until(pending.progress, pending.future):
+                    yield segments
             result = await pending.future
             yield Finished(result, time.perf_counter() - pending.dispatched if pending.dispatched else 0.0)
         except (WorkerUnavailable, ShuttingDown) as exc:

@@ -33,6 +33,7 @@ from app.server.worker.client import (
     QueueFull,
     ShuttingDown,
     WorkerUnavailable,
+    progress_until,
 )
 from app.server.worker.protocol import Job
 from app.settings import Settings
@@ -462,16 +463,7 @@ class TranscriptionService:
         outcome = asyncio.ensure_future(self.result(pending))
         sent = ""
         try:
-            while not (outcome.done() and progress.empty()):
-                if progress.empty():
-                    arrival = asyncio.ensure_future(progress.get())
-                    await asyncio.wait({arrival, outcome}, return_when=asyncio.FIRST_COMPLETED)
-                    if not arrival.done():
-                        arrival.cancel()
-                        continue
-                    segments = arrival.result()
-                else:
-                    segments = progress.get_nowait()
+            async for segments in progress_until(progress, outcome):
                 delta = "".join(s.text for s in segments)
                 delta = delta if sent else delta.lstrip()
                 if delta:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from app.api.types import Segment
 from app.server.worker.protocol import Job, JobResult, Ready
@@ -55,6 +56,25 @@ class Pending:
     progress: asyncio.Queue[list[Segment]] | None = None  # segments of a streaming job, as they come
     enqueued: float = field(default_factory=time.perf_counter)
     dispatched: float = 0.0  # when it began to run (perf_counter); 0 while it waits
+
+
+async def progress_until(
+    progress: asyncio.Queue[list[Segment]], done: asyncio.Future[Any]
+) -> AsyncIterator[list[Segment]]:
+    """A streaming job's segments as they come (`Pending.progress`), until `done` (its result, or what waits for
+    it) is complete and every segment has been taken."""
+    while not (done.done() and progress.empty()):
+        if not progress.empty():
+            yield progress.get_nowait()
+            continue
+        arrival = asyncio.ensure_future(progress.get())
+        try:
+            await asyncio.wait([arrival, done], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not arrival.done():
+                arrival.cancel()  # nothing came: `done` completed (or the caller left)
+        if arrival.done() and not arrival.cancelled():
+            yield arrival.result()
 
 
 @dataclass(frozen=True)
