@@ -16,7 +16,7 @@ fi
 if [ "$quick" = 0 ]; then
     bash scripts/system-deps.sh
 fi
-scripts/setup.sh dev,compare,ray
+scripts/setup.sh dev,compare,ray,bench
 # shellcheck disable=SC1091
 . .venv/bin/activate
 ruff check app tests

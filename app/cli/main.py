@@ -195,6 +195,32 @@ def _realtime_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _peer_bench(args: argparse.Namespace) -> int:
+    from app.tools.peers.bench import plot, run_peer_bench, table
+
+    report = run_peer_bench(
+        args.manifest,
+        [p for p in args.peers.split(",") if p],
+        [int(c) for c in args.clients.split(",")],
+        [int(n) for n in args.sessions.split(",") if n],
+        n_clips=args.clips,
+        requests=args.requests,
+        live_clips=args.live_clips,
+        threads=args.threads,
+        model=args.model,
+        chunk_ms=args.chunk_ms,
+        silence_ms=args.silence_ms,
+        peers_dir=args.peers_dir,
+    )
+    print(table(report))
+    print(json.dumps(report["targets"], indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    if args.plot:
+        plot(report, args.plot)
+    return 0
+
+
 GPUBENCH_HELP = "per-step draft/verify/main costs with random large-v3 weights"
 
 
@@ -322,6 +348,25 @@ def build_parser() -> argparse.ArgumentParser:
     live.add_argument("--url", help="a running server (default: start one)")
     live.add_argument("--json", type=Path, help="write the report here")
     live.set_defaults(handler=_realtime_bench)
+
+    peers = commands.add_parser(
+        "peerbench", help="SpecWhisper against peer servers (WhisperLive, faster-whisper-server): same weights and load"
+    )
+    peers.add_argument("--manifest", type=Path, default=default_manifest(), help="benchdata manifest.jsonl")
+    peers.add_argument("--peers", default="whisperlive,faster-whisper-server", help="peers (comma-separated)")
+    peers.add_argument("--clients", default="1,2,4,8,16", help="concurrent upload clients (comma-separated)")
+    peers.add_argument("--sessions", default="1,4,8", help="concurrent live sessions (comma-separated; '' for none)")
+    peers.add_argument("--clips", type=int, default=8, help="English clips (3-15 s) the uploads cycle through")
+    peers.add_argument("--requests", type=int, default=32, help="uploads at each concurrency")
+    peers.add_argument("--live-clips", type=int, default=4, help="of those clips, how many each live session streams")
+    peers.add_argument("--threads", type=int, default=2, help="CPU threads of every server")
+    peers.add_argument("--model", default="whisper-base", help="an embedded model (its CTranslate2 files go to peers)")
+    peers.add_argument("--chunk-ms", type=int, default=100, help="live audio sent in chunks of this duration")
+    peers.add_argument("--silence-ms", type=int, default=500, help="SpecWhisper's server VAD silence_duration_ms")
+    peers.add_argument("--peers-dir", type=Path, help="peers' environments and weights (default: user cache)")
+    peers.add_argument("--json", type=Path, help="write the report here")
+    peers.add_argument("--plot", type=Path, help="write a PNG of throughput and latency by load here")
+    peers.set_defaults(handler=_peer_bench)
 
     gpu = commands.add_parser("gpubench", help=GPUBENCH_HELP, add_help=False)
     gpu.set_defaults(handler=_gpubench)

@@ -61,9 +61,16 @@ class ClipRun:
     texts: list[str] = field(default_factory=list)
 
 
-async def _session(
-    url: str, clips: list[tuple[np.ndarray, str]], audio_format: str, silence_ms: int, delay: float = 0.0
+async def realtime_session(
+    url: str,
+    clips: list[tuple[np.ndarray, str]],
+    audio_format: str,
+    silence_ms: int,
+    delay: float = 0.0,
+    step_s: float = STEP_S,
 ) -> list[ClipRun]:
+    """One Realtime transcription session streaming `clips` in turn (each between LEAD_S and TAIL_S of
+    silence), in appends of `step_s` sent as each one's audio has been captured (real time)."""
     import websockets
 
     await asyncio.sleep(delay)
@@ -114,10 +121,10 @@ async def _session(
             run = ClipRun(reference, position_ms + LEAD_S * 1000, position_ms + (LEAD_S + speech_s) * 1000)
             runs.append(run)
             width = 2 if audio_format == "pcm16" else 1  # bytes a sample
-            step = int(rate * STEP_S) // width * width
+            step = int(rate * step_s) // width * width
             began = time.perf_counter()
             for k, offset in enumerate(range(0, len(data), step)):
-                await asyncio.sleep(max(0.0, began + k * STEP_S - time.perf_counter()))
+                await asyncio.sleep(max(0.0, began + (k + 1) * step_s - time.perf_counter()))
                 chunk = base64.b64encode(data[offset : offset + step]).decode()
                 await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
                 sent_s = (offset + step) / rate
@@ -133,7 +140,7 @@ async def _session(
     return runs
 
 
-def _pct(values: list[float]) -> dict[str, float | None]:
+def percentiles(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p95": None, "n": 0}
     ordered = sorted(values)
@@ -146,15 +153,15 @@ async def _level(
 ) -> dict[str, Any]:
     period = LEAD_S + TAIL_S + statistics.mean(a.size for a, _ in clips) / SAMPLE_RATE
     results = await asyncio.gather(
-        *(_session(url, clips, fmt, silence_ms, delay=i * period / sessions) for i in range(sessions))
+        *(realtime_session(url, clips, fmt, silence_ms, delay=i * period / sessions) for i in range(sessions))
     )
     runs = [r for session in results for r in session]
     return {
         "sessions": sessions,
         "format": fmt,
-        "speech_end_to_speech_stopped_s": _pct([r.stopped - r.speech_end for r in runs if r.stopped]),
-        "speech_end_to_completed_s": _pct([r.completed - r.speech_end for r in runs if r.completed]),
-        "speech_start_to_first_delta_s": _pct([r.first_delta - r.speech_start for r in runs if r.first_delta]),
+        "speech_end_to_speech_stopped_s": percentiles([r.stopped - r.speech_end for r in runs if r.stopped]),
+        "speech_end_to_completed_s": percentiles([r.completed - r.speech_end for r in runs if r.completed]),
+        "speech_start_to_first_delta_s": percentiles([r.first_delta - r.speech_start for r in runs if r.first_delta]),
         "missing_finals": sum(r.completed is None for r in runs),
         "wer": round(error_rate([(r.reference, " ".join(r.texts), "en") for r in runs]), 4),
     }
