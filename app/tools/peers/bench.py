@@ -51,7 +51,12 @@ def _machine(threads: int) -> dict[str, Any]:
          if line.startswith("model name")),
         platform.processor(),
     ) if Path("/proc/cpuinfo").exists() else platform.processor()  # fmt: skip
-    return {"cpu": model, "cores": os.cpu_count(), "threads_per_server": threads, "load_1min": os.getloadavg()[0]}
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "threads_per_server": threads,
+        "load_1min_before": os.getloadavg()[0],
+    }
 
 
 def _turns(servers: list[BenchServer], level: int) -> list[BenchServer]:
@@ -76,6 +81,7 @@ def run_peer_bench(
     peers_dir: Path | None = None,
     settings: dict[str, str] | None = None,
 ) -> dict[str, Any]:
+    machine = _machine(threads)  # the load before the run
     clips = bench_clips(manifest, n_clips)
     live = _live_clips(clips[:live_clips])
     servers = build(peers, threads, model, peers_dir, settings)
@@ -119,7 +125,7 @@ def run_peer_bench(
             if server.rss is not None:
                 results[server.name]["peak_rss_mb"] = round(server.rss.overall, 1)
     report = {
-        "machine": _machine(threads),
+        "machine": machine,
         "model": model,
         "clips": [c.name for c in clips],
         "audio_s": round(sum(c.seconds for c in clips), 2),

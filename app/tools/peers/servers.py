@@ -36,7 +36,10 @@ class RssSampler:
     """
 
     def __init__(self, pid: int, interval: float = 0.2) -> None:
-        import psutil
+        try:
+            import psutil
+        except ImportError as exc:
+            raise ImportError("peerbench measures memory with psutil: install the `bench` extra") from exc
 
         self._root = psutil.Process(pid)
         self._interval = interval
