@@ -55,6 +55,7 @@ def test_peerbench_drives_every_server_with_the_same_load(benchdata: Path, tmp_p
             assert level["utterances"] == level["sessions"], (name, level)
             assert 0 < level["p50_ms"] <= level["p95_ms"] and level["wer"] < 0.3, (name, level)
             assert level["first_partial_p50_ms"] is not None, (name, level)
+            assert all(level[field] is not None for field in FIELDS), (name, level)
 
     targets = report["targets"]
     for key in ("uploads_throughput_vs_best_peer_at_1", "uploads_throughput_vs_best_peer_at_2",
