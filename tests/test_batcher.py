@@ -1,5 +1,6 @@
 """The batcher's lanes: finished live utterances first, then uploads, then partials; a partial that waited too
-long goes before uploads, never before a finished utterance (it would hold up the final a speaker waits for)."""
+long goes before uploads, never before a finished utterance (it would hold up the final a speaker waits for);
+a finished utterance preempts a running batch of partials."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import numpy as np
 from app.api.types import DecodingOptions
 from app.server.metrics import ServerMetrics
 from app.server.worker.batcher import Batcher, Lane
-from app.server.worker.protocol import Job
+from app.server.worker.client import Preempted
+from app.server.worker.protocol import Job, JobResult
 
 
 class AlwaysReady:
@@ -60,3 +62,70 @@ def test_batches_count_rows() -> None:
     assert asyncio.run(run()) == [["b1", "b2"], ["g1", "b3", "g2"], ["wide"], ["g3"]]
     assert DecodingOptions(beam_size=5).rows == 5 and DecodingOptions(beam_size=5, temperature=0.4).rows == 5
     assert DecodingOptions(temperature=0.4, best_of=3).rows == 3 and DecodingOptions().rows == 1
+
+
+class HeldWorker:
+    """The worker supervisor as the batcher uses it: each batch runs until the test releases it; cancellations
+    sent to the worker are recorded."""
+
+    def __init__(self) -> None:
+        self.ran: list[list[str]] = []
+        self.cancelled: list[str] = []
+        self.release = asyncio.Event()
+
+    def check_ready(self) -> None:
+        return None
+
+    async def run(self, jobs: list[Job], on_progress: Any = None) -> list[JobResult]:
+        self.ran.append([job.request_id for job in jobs])
+        await self.release.wait()
+        self.release.clear()
+        return [JobResult(job.request_id, error="not decoded here") for job in jobs]
+
+    async def cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
+
+
+async def _until(condition: Any) -> None:
+    for _ in range(200):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("the batcher did not get there")
+
+
+def test_a_finished_utterance_preempts_a_batch_of_partials() -> None:
+    """A final that arrives while the worker runs partials only: the partials are refused (Preempted, a 429 to
+    the serving layer, which skips a partial) and stopped in the worker; the final runs next. A batch holding
+    anything else is left to finish."""
+
+    async def run() -> None:
+        worker = HeldWorker()
+        metrics = ServerMetrics()
+        batcher = Batcher(worker, metrics, max_batch=4, window_s=0.0, queue_size=16)  # type: ignore[arg-type]
+        batcher.start()
+        partials = [batcher.submit(_job(f"partial{i}"), Lane.LIVE_PARTIAL) for i in range(2)]
+        await _until(lambda: worker.ran == [["partial0", "partial1"]])
+        final = batcher.submit(_job("final"), Lane.LIVE_FINAL)
+        for p in partials:
+            assert isinstance(p.future.exception(), Preempted)
+        await _until(lambda: worker.cancelled == ["partial0", "partial1"])  # sent to the worker
+        assert metrics.partials_preempted._value.get() == 2
+        worker.release.set()
+        await _until(lambda: len(worker.ran) == 2)
+        assert worker.ran[1] == ["final"] and not final.future.done()
+
+        # A running upload is not stopped for a final: the final waits its turn.
+        worker.release.set()
+        await _until(lambda: final.future.done())
+        upload = batcher.submit(_job("upload"), Lane.UPLOAD)
+        await _until(lambda: len(worker.ran) == 3)
+        batcher.submit(_job("final2"), Lane.LIVE_FINAL)
+        assert not upload.future.done() and worker.cancelled == ["partial0", "partial1"]
+        worker.release.set()
+        await _until(lambda: upload.future.done() and len(worker.ran) == 4)
+        assert worker.ran[3] == ["final2"]
+        worker.release.set()
+        await batcher.drain(1.0)
+
+    asyncio.run(run())

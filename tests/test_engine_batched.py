@@ -182,3 +182,32 @@ def test_a_window_without_speech_gives_no_text_in_any_mode(base: WhisperModel, d
                 [noise], [DecodingOptions(language="en", timestamps=timestamps, use_assistant=use)]
             )
             assert (result[0].text, result[0].segments) == ("", []), (timestamps, use)
+
+
+def test_a_batch_everyone_left_stops_within_its_window(base: WhisperModel, clip: Callable, drafters: dict) -> None:
+    """Once every clip of a batch is cancelled, the batch stops at the next heartbeat, here between two encoder
+    layers, without waiting for the window (what lets a finished utterance preempt a batch of partials); while
+    one clip is still wanted, the window runs to its end for it."""
+    engine = Engine(base, drafters["self-draft"])
+    audio = [clip("whisper/jfk"), clip("ljspeech/LJ001-0001")]
+    options = [DecodingOptions(language="en")] * 2
+    beats: list[int] = []
+    wanted = {0: True, 1: True}
+
+    def heartbeat() -> None:
+        beats.append(len(beats))
+        if len(beats) == 2:  # the encoder's first layer is done: both clients leave
+            wanted.update({0: False, 1: False})
+
+    stopped = engine.transcribe(audio, options, cancelled=lambda i: not wanted[i], heartbeat=heartbeat)
+    assert [t.finish for t in stopped] == ["cancelled", "cancelled"] and not any(t.segments for t in stopped)
+    assert len(beats) == 2  # it stopped at the heartbeat that saw the cancellations: inside the encoder
+
+    beats.clear()
+    wanted.update({0: True, 1: True})
+    halfway = engine.transcribe(
+        audio, options, cancelled=lambda i: i == 0 and len(beats) >= 2, heartbeat=lambda: beats.append(0)
+    )
+    alone = engine.transcribe(audio[1:], options[1:])[0]
+    assert halfway[1].text == alone.text and halfway[1].finish != "cancelled"
+    assert base.encoder is not None and len(beats) > len(base.encoder.layers) + 1  # the window went on

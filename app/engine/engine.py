@@ -43,6 +43,31 @@ def _tone() -> np.ndarray:
     return (0.1 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
 
 
+class _AllCancelled(Exception):
+    """Every clip of the window being decoded was cancelled: the window stops where it is."""
+
+
+def _stopping(
+    heartbeat: Callable[[], None] | None,
+    cancelled: Callable[[int], bool] | None,
+    jobs: list[LongFormJob],
+    active: list[LongFormJob],
+) -> Callable[[], None] | None:
+    """The heartbeat of one window: `heartbeat()`, then a stop (`_AllCancelled`) once every active clip is
+    cancelled."""
+    if cancelled is None:
+        return heartbeat
+    indices = [jobs.index(job) for job in active]
+
+    def beat() -> None:
+        if heartbeat is not None:
+            heartbeat()
+        if all(cancelled(i) for i in indices):
+            raise _AllCancelled
+
+    return beat
+
+
 class Engine:
     """A resident main model with an optional drafter; transcribes batches of clips of any length."""
 
@@ -103,8 +128,11 @@ class Engine:
         on_segments(i, segments) is called after each window with the segments it added to clip i,
         so that a caller can stream long audio while it is being transcribed.
         cancelled(i) is asked before each window: clip i then stops where it is, with finish
-        "cancelled", and the rest of the batch goes on without it.
-        heartbeat() is called at least once a window and after each encoder run and main-model
+        "cancelled", and the rest of the batch goes on without it. Within a window it is asked at each
+        heartbeat: once every clip still running is cancelled, the window stops there (between two encoder
+        layers or two decoder passes) and so does the batch, so that a batch nobody waits for any more
+        (a live partial that a finished utterance made room for) frees the worker at once.
+        heartbeat() is called at least once a window and after each encoder layer and main-model
         pass, so that a supervisor can tell slow work from a hang (it must be cheap).
         """
         if not audio or len(audio) != len(options):
@@ -123,7 +151,12 @@ class Engine:
                 if not active:
                     break
                 before = [len(job.segments) for job in active]
-                self._window(active, batch=len(jobs), heartbeat=heartbeat)
+                try:
+                    self._window(active, batch=len(jobs), heartbeat=_stopping(heartbeat, cancelled, jobs, active))
+                except _AllCancelled:
+                    for job in active:
+                        job.cancel()
+                    break
                 if on_segments is not None:
                     for job, n in zip(active, before, strict=True):
                         if len(job.segments) > n:
@@ -209,7 +242,8 @@ class Engine:
         if heartbeat is not None:
             heartbeat()
         features = torch.stack([job.features() for job in jobs])
-        session_inputs = self._inputs(features, self.main.encode(features), max(job.segment_frames for job in jobs))
+        encoded = self.main.encode(features, between_layers=heartbeat)
+        session_inputs = self._inputs(features, encoded, max(job.segment_frames for job in jobs))
         if heartbeat is not None:
             heartbeat()
         cross = session_inputs.main_cross

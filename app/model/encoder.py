@@ -12,6 +12,7 @@ H heads, Dh head size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -113,7 +114,8 @@ class AudioEncoder(nn.Module):
         assign(enc, state)
         return enc.eval()
 
-    def forward(self, features: Tensor) -> Tensor:
+    def forward(self, features: Tensor, between_layers: Callable[[], None] | None = None) -> Tensor:
+        """Log-mel [B, M, F] -> [B, T, D]; `between_layers()` is called after each layer (it may raise, to stop)."""
         expected = 2 * self.n_frames
         if features.shape[-1] != expected:
             raise ValueError(f"the encoder takes {expected} mel frames (one 30-s window), got {features.shape[-1]}")
@@ -122,4 +124,6 @@ class AudioEncoder(nn.Module):
         x = x.transpose(1, 2) + self.positions
         for layer in self.layers:
             x = layer(x, self.attention_kernel)
+            if between_layers is not None:
+                between_layers()
         return cast(Tensor, self.norm(x))

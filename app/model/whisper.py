@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -42,12 +43,13 @@ class WhisperModel:
         return self.decoder.n_positions
 
     @torch.inference_mode()
-    def encode(self, features: Tensor) -> Tensor:
+    def encode(self, features: Tensor, between_layers: Callable[[], None] | None = None) -> Tensor:
         """Log-mel features [B, n_mels, 3000] -> encoder states [B, 1500, D] in the decoder's dtype.
 
-        The encoder may run in a dtype of its own (`load_model(encoder_dtype=...)`).
+        The encoder may run in a dtype of its own (`load_model(encoder_dtype=...)`). `between_layers()` is
+        called after each encoder layer (a heartbeat; it may raise, to stop the pass).
         """
         if self.encoder is None:
             raise RuntimeError(f"{self.name} has no encoder (decoder-only assistant)")
-        states = self.encoder(features.to(self.device, self.encoder.dtype))
+        states = self.encoder(features.to(self.device, self.encoder.dtype), between_layers)
         return cast(Tensor, states.to(self.decoder.dtype))

@@ -90,6 +90,11 @@ class ServerMetrics:
             "running requests stopped in the worker before their audio was done (their client went away)",
             registry=r,
         )
+        self.partials_preempted = Counter(
+            "specwhisper_realtime_partials_preempted",
+            "live partials stopped in the worker to make room for a finished utterance",
+            registry=r,
+        )
         self.asyncio_tasks = Gauge("specwhisper_asyncio_tasks", "asyncio tasks in the web process", registry=r)
         self.asyncio_tasks.set_function(_task_count)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, ... of the web process

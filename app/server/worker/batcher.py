@@ -3,7 +3,9 @@
 Three lanes keep live latency low without starving uploads: a finished live utterance goes
 first, then uploads, then live partials (re-transcriptions of an utterance still being
 spoken). A partial that has waited longer than `partial_max_wait_s` is taken before uploads
-so that live text keeps moving under upload load.
+so that live text keeps moving under upload load. A finished utterance that arrives while the
+worker runs a batch of partials only preempts it: the partials are refused (`Preempted`) and
+stopped in the worker at its next encoder layer or decoder pass, and the final runs next.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections import deque
 
 from app.api.types import Segment
 from app.server.metrics import ServerMetrics
-from app.server.worker.client import Lane, Pending, QueueFull, ShuttingDown, WorkerUnavailable
+from app.server.worker.client import Lane, Pending, Preempted, QueueFull, ShuttingDown, WorkerUnavailable
 from app.server.worker.protocol import Job, JobResult, Progress
 from app.server.worker.supervisor import WorkerSupervisor
 
@@ -50,6 +52,7 @@ class Batcher:
         self.max_queued_samples = max_queued_samples
         self.lanes: dict[Lane, deque[Pending]] = {lane: deque() for lane in Lane}
         self.inflight = 0
+        self.running: list[Pending] = []  # the batch the worker runs
         self.batch_seconds = 1.0  # moving average of a batch's run time: what a 429's Retry-After is based on
         self._arrived = asyncio.Event()
         self._closed = False
@@ -87,9 +90,26 @@ class Batcher:
         progress: asyncio.Queue[list[Segment]] | None = asyncio.Queue() if job.stream else None
         pending = Pending(job, asyncio.get_running_loop().create_future(), lane, progress)
         self.lanes[lane].append(pending)
+        if lane is Lane.LIVE_FINAL:
+            self._preempt_partials()
         self._arrived.set()
         self.metrics.queue_depth.set(self.depth)
         return pending
+
+    def _preempt_partials(self) -> None:
+        """A finished utterance is waiting: a running batch of nothing but partials makes room for it."""
+        if not self.running or any(p.lane is not Lane.LIVE_PARTIAL for p in self.running):
+            return
+        for p in self.running:
+            if not p.future.done():
+                p.future.set_exception(Preempted())
+                self.metrics.partials_preempted.inc()
+                self._send_cancel(p.job.request_id)
+
+    def _send_cancel(self, request_id: str) -> None:
+        task = asyncio.ensure_future(self.worker.cancel(request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _take(self) -> Pending | None:
         """The next request by lane priority (a partial that waited over `partial_max_wait_s` goes before
@@ -143,9 +163,7 @@ class Batcher:
 
         def on_done(future: asyncio.Future[JobResult]) -> None:
             if future.cancelled() and self.inflight:
-                task = asyncio.ensure_future(self.worker.cancel(pending.job.request_id))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._send_cancel(pending.job.request_id)
 
         pending.future.add_done_callback(on_done)
 
@@ -160,7 +178,7 @@ class Batcher:
             for p in batch:
                 p.dispatched = now
                 self._cancel_when_abandoned(p)
-            self.inflight = len(batch)
+            self.inflight, self.running = len(batch), batch
             self.metrics.batch_size.observe(len(batch))
             streaming = {p.job.request_id: p for p in batch if p.progress is not None}
             try:
@@ -182,7 +200,7 @@ class Batcher:
                     elif r.transcription is not None and r.transcription.finish == "cancelled":
                         self.metrics.running_cancelled.inc()
             finally:
-                self.inflight = 0
+                self.inflight, self.running = 0, []
 
     async def drain(self, timeout: float) -> None:
         """Stop accepting; wait for queued and running work up to `timeout`."""

@@ -26,6 +26,14 @@ class QueueFull(RuntimeError):
         self.retry_after = retry_after
 
 
+class Preempted(QueueFull):
+    """A live partial stopped in the worker to make room for a finished utterance (best effort: skipped)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.args = ("stopped to make room for a finished utterance",)
+
+
 class ShuttingDown(RuntimeError):
     """The engine stopped accepting work."""
 
