@@ -63,7 +63,7 @@ async def whisperlive(url: str, clips: Clips, delay: float, step_s: float, langu
             "no_speech_thresh": 0.45,
             "clip_audio": False,
             "same_output_threshold": 10,
-        }  # fmt: skip  (its client's defaults; the server loads its own model path)
+        }  # its client's defaults (the server loads its own model path, whatever `model` says)
         await ws.send(json.dumps(options))
         while True:
             message = json.loads(await ws.recv())
