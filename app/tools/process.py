@@ -24,6 +24,29 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def ensure_may_start() -> None:
+    """Raise where no server may be started (`FORBID_START` set)."""
+    if forbidden := os.environ.get(FORBID_START):
+        raise RuntimeError(f"no server may be started here ({FORBID_START}={forbidden}): mark the test `server`")
+
+
+def wait_until_ready(
+    proc: subprocess.Popen[bytes] | None, url: str, timeout: float, what: str, log: Path | None
+) -> None:
+    """Until `url` answers 200; raises if `proc` exits or the time runs out (`what`: the server, in messages)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is None or proc.poll() is not None:
+            raise RuntimeError(f"{what} exited during start-up (log: {log})")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{what} did not answer {url} within {timeout:.0f} s (log: {log})")
+
+
 class ServerProcess:
     """A server child process; `env` adds settings (SPECWHISPER_*), `log` receives its output.
 
@@ -49,8 +72,7 @@ class ServerProcess:
 
     def launch(self) -> ServerProcess:
         """Start the process without waiting for it (several servers can load their models at once)."""
-        if forbidden := os.environ.get(FORBID_START):
-            raise RuntimeError(f"no server may be started here ({FORBID_START}={forbidden}): mark the test `server`")
+        ensure_may_start()
         out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - the child's
         cmd = [sys.executable, "-m", "app", "serve", "--port", str(self.port), *self.args]
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=out, start_new_session=self.own_group)
@@ -63,17 +85,7 @@ class ServerProcess:
 
     def wait_ready(self, timeout: float = 300) -> None:
         """Until /health/ready answers 200; raises if the process exits or the time runs out."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is None or self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited during start-up (log: {self.log_path})")
-            try:
-                if httpx.get(f"{self.url}/health/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError("the server did not become ready")
+        wait_until_ready(self.proc, f"{self.url}/health/ready", timeout, "the server", self.log_path)
 
     def stop(self, timeout: float = 60) -> int:
         """SIGTERM (a graceful drain), SIGKILL after `timeout`; returns the exit status.

@@ -19,6 +19,7 @@ import io
 import json
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,17 +122,12 @@ async def realtime_session(
             run = ClipRun(reference, position_ms + LEAD_S * 1000, position_ms + (LEAD_S + speech_s) * 1000)
             runs.append(run)
             width = 2 if audio_format == "pcm16" else 1  # bytes a sample
-            step = int(rate * step_s) // width * width
-            began = time.perf_counter()
-            for k, offset in enumerate(range(0, len(data), step)):
-                await asyncio.sleep(max(0.0, began + (k + 1) * step_s - time.perf_counter()))
-                chunk = base64.b64encode(data[offset : offset + step]).decode()
-                await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
-                sent_s = (offset + step) / rate
-                if run.speech_start == 0.0 and sent_s >= LEAD_S:
-                    run.speech_start = time.perf_counter()
-                if run.speech_end == 0.0 and sent_s >= LEAD_S + speech_s:
-                    run.speech_end = time.perf_counter()
+
+            async def append(chunk: bytes) -> None:
+                event = {"type": "input_audio_buffer.append", "audio": base64.b64encode(chunk).decode()}
+                await ws.send(json.dumps(event))
+
+            await send_paced(append, data, int(rate * step_s) // width * width, rate, step_s, run, speech_s)
             position_ms += len(data) / rate * 1000
         try:
             await asyncio.wait_for(finished.wait(), timeout=60)
@@ -140,12 +136,49 @@ async def realtime_session(
     return runs
 
 
+async def send_paced(
+    send: Callable[[bytes], Awaitable[None]],
+    data: bytes,
+    step: int,
+    per_second: int,
+    step_s: float,
+    run: ClipRun,
+    speech_s: float,
+) -> None:
+    """`data` (a clip between LEAD_S and TAIL_S of silence, `per_second` bytes a second of audio) in chunks of
+    `step` bytes, each sent once its audio has been captured (every `step_s`, in real time); marks when the
+    chunks holding the clip's first and last speech went out (`run.speech_start`, `run.speech_end`)."""
+    began = time.perf_counter()
+    for k, offset in enumerate(range(0, len(data), step)):
+        await asyncio.sleep(max(0.0, began + (k + 1) * step_s - time.perf_counter()))
+        await send(data[offset : offset + step])
+        sent_s = (offset + step) / per_second
+        if run.speech_start == 0.0 and sent_s >= LEAD_S:
+            run.speech_start = time.perf_counter()
+        if run.speech_end == 0.0 and sent_s >= LEAD_S + speech_s:
+            run.speech_end = time.perf_counter()
+
+
+def nearest_rank(values: list[float], q: float) -> float | None:
+    """The q-quantile of `values` by nearest rank (None when there are none)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def english_clips(manifest: Path, count: int) -> list[ManifestClip]:
+    """The first `count` English clips of 3..15 s in the manifest's short subset: what live sessions stream."""
+    entries = read_manifest(manifest)
+    return [c for c in entries if c.language == "en" and c.subset == "short" and 3 <= c.duration_s <= 15][:count]
+
+
 def percentiles(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p95": None, "n": 0}
-    ordered = sorted(values)
-    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
-    return {"p50": round(statistics.median(ordered), 3), "p95": round(p95, 3), "n": len(ordered)}
+    p95 = nearest_rank(values, 0.95)
+    assert p95 is not None
+    return {"p50": round(statistics.median(values), 3), "p95": round(p95, 3), "n": len(values)}
 
 
 async def _level(
@@ -170,9 +203,7 @@ async def _level(
 def run_realtime_bench(
     manifest: Path, sessions: list[int], formats: list[str], n_clips: int, silence_ms: int, url: str | None
 ) -> dict[str, Any]:
-    entries: list[ManifestClip] = read_manifest(manifest)
-    english = [c for c in entries if c.language == "en" and c.subset == "short" and 3 <= c.duration_s <= 15]
-    clips = [(load_audio(c.audio), c.text) for c in english[:n_clips]]
+    clips = [(load_audio(c.audio), c.text) for c in english_clips(manifest, n_clips)]
     server = None if url else ServerProcess().start()
     base = url or (server.url if server else "")
     try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,35 +29,45 @@ from app.tools.process import ServerProcess
 MODES = ("adaptive", "always", "never")
 
 
-async def _level(url: str, clips: list[Clip], concurrency: int, total: int) -> dict[str, Any]:
-    """`total` uploads with `concurrency` in flight; latencies, throughput, texts and modes used."""
+async def drive(concurrency: int, total: int, request: Callable[[int], Awaitable[None]]) -> float:
+    """`request(0)` .. `request(total - 1)` with `concurrency` in flight, each client taking the next when its
+    last is done; returns the wall time (s)."""
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(total):
         queue.put_nowait(i)
+
+    async def client() -> None:
+        while not queue.empty():
+            await request(queue.get_nowait())
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return time.perf_counter() - started
+
+
+async def _level(url: str, clips: list[Clip], concurrency: int, total: int) -> dict[str, Any]:
+    """`total` uploads with `concurrency` in flight; latencies, throughput, texts and modes used."""
     latencies: list[float] = []
     texts: dict[str, str] = {}
     speculative = 0
     async with httpx.AsyncClient(timeout=600) as client:
 
-        async def worker() -> None:
+        async def upload(i: int) -> None:
             nonlocal speculative
-            while not queue.empty():
-                clip = clips[queue.get_nowait() % len(clips)]
-                started = time.perf_counter()
-                r = await client.post(
-                    f"{url}/v1/audio/transcriptions",
-                    data={"model": "whisper-1", "language": clip.language},
-                    files={"file": ("clip.wav", clip.data)},
-                )
-                r.raise_for_status()
-                latencies.append(time.perf_counter() - started)
-                body = r.json()
-                texts[clip.name] = body["text"]
-                speculative += bool(body["metrics"]["speculative"])
+            clip = clips[i % len(clips)]
+            started = time.perf_counter()
+            r = await client.post(
+                f"{url}/v1/audio/transcriptions",
+                data={"model": "whisper-1", "language": clip.language},
+                files={"file": ("clip.wav", clip.data)},
+            )
+            r.raise_for_status()
+            latencies.append(time.perf_counter() - started)
+            body = r.json()
+            texts[clip.name] = body["text"]
+            speculative += bool(body["metrics"]["speculative"])
 
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - started
+        wall = await drive(concurrency, total, upload)
     audio = sum(clips[i % len(clips)].seconds for i in range(total))
     return {
         "concurrency": concurrency,

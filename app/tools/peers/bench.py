@@ -23,17 +23,14 @@ from typing import Any
 from tqdm import tqdm
 
 from app.tools.loadtest import Clip
-from app.tools.manifest import read_manifest
 from app.tools.peers import load
 from app.tools.peers.servers import BenchServer, build
-
-MAX_LIVE_CLIP_S = 15.0
+from app.tools.realtimebench import english_clips
 
 
 def bench_clips(manifest: Path, count: int) -> list[Clip]:
     """The first `count` English clips of the manifest's short subset between 3 and 15 s: for uploads and live."""
-    entries = [c for c in read_manifest(manifest) if c.language == "en" and c.subset == "short"]
-    picked = [c for c in entries if 3 <= c.duration_s <= MAX_LIVE_CLIP_S][:count]
+    picked = english_clips(manifest, count)
     if not picked:
         raise LookupError(f"{manifest}: no English clip of 3..15 s in the short subset")
     return [Clip(c.id, c.read_bytes(), c.duration_s, expected=c.text, language="en") for c in picked]

@@ -26,7 +26,7 @@ import uuid
 import numpy as np
 
 from app.api.audio import SAMPLE_RATE
-from app.tools.realtimebench import LEAD_S, TAIL_S, ClipRun, realtime_session
+from app.tools.realtimebench import LEAD_S, TAIL_S, ClipRun, realtime_session, send_paced
 
 FINISH_TIMEOUT_S = 30.0
 Clips = list[tuple[np.ndarray, str]]
@@ -106,7 +106,7 @@ async def whisperlive(url: str, clips: Clips, delay: float, step_s: float, langu
                 spans.append((position, position + length))
                 run = ClipRun(reference, (position + LEAD_S) * 1000, (position + LEAD_S + speech_s) * 1000)
                 runs.append(run)
-                await _stream(ws, samples, step, step_s, run, speech_s)
+                await send_paced(ws.send, samples.tobytes(), step * 4, SAMPLE_RATE * 4, step_s, run, speech_s)
                 position += length
             silence = np.zeros(step, np.float32).tobytes()
             deadline = time.perf_counter() + FINISH_TIMEOUT_S
@@ -119,15 +119,3 @@ async def whisperlive(url: str, clips: Clips, delay: float, step_s: float, langu
         if run.completed is not None and run.completed < run.speech_end:
             run.completed = None  # its text never finished after the utterance ended: no final
     return runs
-
-
-async def _stream(ws: object, samples: np.ndarray, step: int, step_s: float, run: ClipRun, speech_s: float) -> None:
-    began = time.perf_counter()
-    for k, offset in enumerate(range(0, samples.size, step)):
-        await asyncio.sleep(max(0.0, began + (k + 1) * step_s - time.perf_counter()))
-        await ws.send(samples[offset : offset + step].tobytes())  # type: ignore[attr-defined]
-        sent_s = (offset + step) / SAMPLE_RATE
-        if run.speech_start == 0.0 and sent_s >= LEAD_S:
-            run.speech_start = time.perf_counter()
-        if run.speech_end == 0.0 and sent_s >= LEAD_S + speech_s:
-            run.speech_end = time.perf_counter()

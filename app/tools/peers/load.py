@@ -12,51 +12,47 @@ from app.tools.bench import error_rate
 from app.tools.loadtest import Clip
 from app.tools.peers import live
 from app.tools.peers.servers import BenchServer
-from app.tools.realtimebench import LEAD_S, TAIL_S, ClipRun
+from app.tools.realtimebench import LEAD_S, TAIL_S, ClipRun, nearest_rank
+from app.tools.serverbench import drive
 
 
 def _ms(values: list[float], q: float) -> float | None:
     """The q-quantile (nearest rank) of `values` (seconds), in ms."""
     if not values:
         return None
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] * 1000, 1)
+    value = nearest_rank(values, q)
+    assert value is not None
+    return round(value * 1000, 1)
 
 
 async def uploads(server: BenchServer, clips: list[Clip], concurrency: int, total: int) -> dict[str, Any]:
     """`total` uploads of `clips` in turn with `concurrency` in flight, each the multipart form the official SDK
     sends (`file`, `model`, `language`): throughput in audio seconds per wall second, latency, errors, WER."""
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(total):
-        queue.put_nowait(i)
     latencies: list[float] = []
     answers: list[tuple[str, str, str]] = []
     errors: list[str] = []
     limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
 
-        async def worker() -> None:
-            while not queue.empty():
-                clip = clips[queue.get_nowait() % len(clips)]
-                started = time.perf_counter()
-                try:
-                    r = await client.post(
-                        f"{server.upload_url}/v1/audio/transcriptions",
-                        data={"model": "whisper-1", "language": clip.language},
-                        files={"file": (f"{clip.name}.wav", clip.data, "audio/wav")},
-                    )
-                except httpx.HTTPError as exc:
-                    errors.append(f"{type(exc).__name__}: {exc}")
-                    continue
-                if r.status_code != 200:
-                    errors.append(f"{r.status_code}: {r.text[:200]}")
-                    continue
-                latencies.append(time.perf_counter() - started)
-                answers.append((clip.expected, r.json()["text"], clip.language))
+        async def upload(i: int) -> None:
+            clip = clips[i % len(clips)]
+            started = time.perf_counter()
+            try:
+                r = await client.post(
+                    f"{server.upload_url}/v1/audio/transcriptions",
+                    data={"model": "whisper-1", "language": clip.language},
+                    files={"file": (f"{clip.name}.wav", clip.data, "audio/wav")},
+                )
+            except httpx.HTTPError as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+                return
+            if r.status_code != 200:
+                errors.append(f"{r.status_code}: {r.text[:200]}")
+                return
+            latencies.append(time.perf_counter() - started)
+            answers.append((clip.expected, r.json()["text"], clip.language))
 
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - started
+        wall = await drive(concurrency, total, upload)
     audio = sum(clips[i % len(clips)].seconds for i in range(total))
     return {
         "concurrency": concurrency,

@@ -14,15 +14,12 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
-
 from app.tools.peers.install import RECIPES, ct2_weights, ensure_env
-from app.tools.process import FORBID_START, free_port
+from app.tools.process import ensure_may_start, free_port, wait_until_ready
 
 LiveProtocol = Literal["openai-realtime", "whisperlive"]
 PEERS = ("whisperlive", "faster-whisper-server")
@@ -92,8 +89,7 @@ class BenchServer:
     log: Path | None = None
 
     def launch(self, log_dir: Path) -> BenchServer:
-        if forbidden := os.environ.get(FORBID_START):
-            raise RuntimeError(f"no server may be started here ({FORBID_START}={forbidden}): mark the test `server`")
+        ensure_may_start()
         self.log = log_dir / f"{self.name}.log"
         out = open(self.log, "wb")  # noqa: SIM115 - the child's
         self.proc = subprocess.Popen(self.command, env=self.env, stdout=out, stderr=subprocess.STDOUT)
@@ -101,17 +97,7 @@ class BenchServer:
         return self
 
     def wait_ready(self, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is None or self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited during start-up (log: {self.log})")
-            try:
-                if httpx.get(self.ready_url, timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"{self.name} did not answer {self.ready_url} within {timeout:.0f} s (log: {self.log})")
+        wait_until_ready(self.proc, self.ready_url, timeout, self.name, self.log)
 
     def stop(self, timeout: float = 30) -> None:
         if self.rss is not None:
