@@ -129,3 +129,27 @@ def test_a_finished_utterance_preempts_a_batch_of_partials() -> None:
         await batcher.drain(1.0)
 
     asyncio.run(run())
+
+
+def test_finished_utterances_and_partials_never_share_a_batch() -> None:
+    """Queued together, a final and partials run apart: the final (with an upload) first, then the partials. A final
+    that arrives while a batch of partials is still gathering (its window open) leads instead of joining it."""
+
+    async def run() -> list[list[str]]:
+        batcher = Batcher(AlwaysReady(), ServerMetrics(), max_batch=4, window_s=0.0, queue_size=16)  # type: ignore[arg-type]
+        for name, lane in (("p1", Lane.LIVE_PARTIAL), ("f1", Lane.LIVE_FINAL), ("p2", Lane.LIVE_PARTIAL),
+                           ("u1", Lane.UPLOAD)):  # fmt: skip
+            batcher.submit(_job(name), lane)
+        batches = [[p.job.request_id for p in await asyncio.wait_for(batcher._collect(), 5)] for _ in range(2)]
+
+        gathering = Batcher(AlwaysReady(), ServerMetrics(), max_batch=4, window_s=1.0, queue_size=16)  # type: ignore[arg-type]
+        gathering.submit(_job("p3"), Lane.LIVE_PARTIAL)
+        collecting = asyncio.ensure_future(gathering._collect())
+        await asyncio.sleep(0.05)  # the partial's batch waits for company
+        gathering.submit(_job("f2"), Lane.LIVE_FINAL)
+        gathering.submit(_job("p4"), Lane.LIVE_PARTIAL)
+        first = [p.job.request_id for p in await asyncio.wait_for(collecting, 5)]
+        after = [p.job.request_id for p in await asyncio.wait_for(gathering._collect(), 5)]
+        return [*batches, first, after]
+
+    assert asyncio.run(run()) == [["f1", "u1"], ["p1", "p2"], ["f2"], ["p3", "p4"]]

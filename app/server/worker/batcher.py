@@ -6,6 +6,9 @@ spoken). A partial that has waited longer than `partial_max_wait_s` is taken bef
 so that live text keeps moving under upload load. A finished utterance that arrives while the
 worker runs a batch of partials only preempts it: the partials are refused (`Preempted`) and
 stopped in the worker at its next encoder layer or decoder pass, and the final runs next.
+Finished utterances and partials never share a batch: where batching does not make a row
+cheaper (a CPU encodes each row's window in turn), partials riding along would delay the final
+by their encoding, and a batch holding a final could not be preempted for the next one.
 """
 
 from __future__ import annotations
@@ -111,22 +114,40 @@ class Batcher:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _take(self) -> Pending | None:
+    def _take(self, apart: Lane | None = None) -> Pending | None:
         """The next request by lane priority (a partial that waited over `partial_max_wait_s` goes before
-        uploads, never before a finished utterance); cancelled requests are dropped before they cost work."""
+        uploads, never before a finished utterance), none from lane `apart`; cancelled requests are dropped
+        before they cost work."""
         for q in self.lanes.values():
             while q and q[0].future.done():
                 q.popleft()
                 self.metrics.queue_dropped.inc()
-        if self.lanes[Lane.LIVE_FINAL]:
+        if self.lanes[Lane.LIVE_FINAL] and apart is not Lane.LIVE_FINAL:
             return self.lanes[Lane.LIVE_FINAL].popleft()
         partials = self.lanes[Lane.LIVE_PARTIAL]
-        if partials and time.perf_counter() - partials[0].enqueued > self.partial_max_wait_s:
+        if (
+            partials
+            and apart is not Lane.LIVE_PARTIAL
+            and time.perf_counter() - partials[0].enqueued > self.partial_max_wait_s
+        ):
             return partials.popleft()
         for lane in Lane:
-            if self.lanes[lane]:
+            if self.lanes[lane] and lane is not apart:
                 return self.lanes[lane].popleft()
         return None
+
+    @staticmethod
+    def _apart(batch: list[Pending]) -> Lane | None:
+        """The lane a batch may not take from: partials once it holds a final, finals once it holds a partial."""
+        lanes = {p.lane for p in batch}
+        if Lane.LIVE_FINAL in lanes:
+            return Lane.LIVE_PARTIAL
+        return Lane.LIVE_FINAL if Lane.LIVE_PARTIAL in lanes else None
+
+    def _requeue(self, batch: list[Pending]) -> None:
+        """Put a batch still being collected back at the head of its lanes, in its order."""
+        for p in reversed(batch):
+            self.lanes[p.lane].appendleft(p)
 
     async def _collect(self) -> list[Pending]:
         while (first := self._take()) is None:
@@ -136,7 +157,10 @@ class Batcher:
         rows = first.job.options.rows
         deadline = time.perf_counter() + self.window_s
         while len(batch) < self.max_batch and rows < self.max_rows:
-            item = self._take()
+            if self.lanes[Lane.LIVE_FINAL] and self._apart(batch) is Lane.LIVE_FINAL:
+                self._requeue(batch)  # a final arrived while partials gathered: it leads, they wait
+                return await self._collect()
+            item = self._take(self._apart(batch))
             if item is not None and rows + item.job.options.rows > self.max_rows:
                 self.lanes[item.lane].appendleft(item)  # too wide for this batch: it leads the next one
                 break
