@@ -9,8 +9,10 @@ import av
 import numpy as np
 import pytest
 import soundfile as sf
+import soxr
+from scipy.signal import butter, sosfiltfilt
 
-from app.api.audio import SAMPLE_RATE, AudioError, AudioTooLongError, decode_audio, load_audio
+from app.api.audio import SAMPLE_RATE, AudioError, AudioTooLongError, LiveResampler, decode_audio, load_audio
 
 
 def _encode(samples: np.ndarray, rate: int, container: str, codec: str) -> bytes:
@@ -93,3 +95,24 @@ def test_duration_limit_is_checked_before_decoding() -> None:
     with pytest.raises(AudioTooLongError):
         decode_audio(buf.getvalue(), max_seconds=10)
     assert decode_audio(buf.getvalue(), max_seconds=30).size == 16000 * 20
+
+
+@pytest.mark.parametrize("rate", [8000, 24000])
+def test_a_live_stream_is_resampled_as_it_comes(benchdata: Path, rate: int) -> None:
+    """A live stream in 20-ms chunks (a phone line at 8 kHz, the Realtime API's 24 kHz): after every chunk, all
+    but 2 ms of the audio so far is out at 16 kHz (what is held back reaches turn detection that much later, and
+    a buffer committed by hand would miss it), and it is the audio a whole-file resample gives (below 7 kHz: the
+    two filters' edges differ at the top of the band)."""
+    speech = load_audio(sorted((benchdata / "audio" / "ljspeech").iterdir())[0])[: 5 * SAMPLE_RATE]
+    sent = soxr.resample(speech, SAMPLE_RATE, rate).astype(np.float32)
+    live, step, out = LiveResampler(rate), rate // 50, []
+    for start in range(0, sent.size, step):
+        out.append(live(sent[start : start + step]))
+        produced = sum(o.size for o in out)
+        assert produced >= (start + step) * SAMPLE_RATE // rate - 2 * SAMPLE_RATE // 1000
+    whole = soxr.resample(sent, rate, SAMPLE_RATE)
+    streamed = np.concatenate(out)
+    n = min(streamed.size, whole.size)
+    band = butter(8, 7000, fs=SAMPLE_RATE, output="sos")
+    streamed, whole = sosfiltfilt(band, streamed[:n]), sosfiltfilt(band, whole[:n])
+    assert np.linalg.norm(streamed - whole) < 0.01 * np.linalg.norm(whole)

@@ -160,3 +160,25 @@ def decode_raw(data: bytes, encoding: str) -> np.ndarray:
         io.BytesIO(data), format="RAW", subtype=G711[encoding], samplerate=G711_RATE, channels=1, dtype="float32"
     )
     return np.asarray(samples, dtype=np.float32)
+
+
+class LiveResampler:
+    """Resamples a live stream to 16 kHz chunk by chunk, holding back only its filter's 1-2 ms (libswresample,
+    through PyAV). soxr's streaming resampler, used for files, holds back output in bursts (at 8 kHz up to
+    ~110 ms, ~60 ms on average), which would arrive at turn detection as that much later an end of speech,
+    and be missing from a buffer committed by hand."""
+
+    def __init__(self, rate: int) -> None:
+        import av
+
+        self.rate = rate
+        self._swr = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
+
+    def __call__(self, samples: np.ndarray) -> np.ndarray:
+        """float32 samples at `rate` -> float32 samples at 16 kHz (nearly as many as they last)."""
+        import av
+
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples, np.float32).reshape(1, -1), "flt", "mono")
+        frame.sample_rate = self.rate
+        out = [f.to_ndarray().reshape(-1) for f in self._swr.resample(frame)]
+        return np.concatenate(out) if out else np.zeros(0, np.float32)

@@ -27,10 +27,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
-import soxr
 
 from app.api import errors
-from app.api.audio import SAMPLE_RATE, AudioError, decode_raw
+from app.api.audio import SAMPLE_RATE, AudioError, LiveResampler, decode_raw
 from app.api.types import DecodingOptions, InvalidRequestError, Transcription
 from app.server.realtime.config import SessionConfig, apply_update
 from app.server.serving.service import TranscriptionService
@@ -162,7 +161,7 @@ class RealtimeSession:
         self.doomed: asyncio.Future[Closing] = asyncio.get_running_loop().create_future()
         self.buffer = AudioBuffer()
         self.vad = service.vad.stream(self.config.vad) if self.config.vad else None
-        self._resampler: soxr.ResampleStream | None = None
+        self._resampler: LiveResampler | None = None
         self.item_id: str | None = None  # the open utterance
         self.item_start = 0
         self.previous_item_id: str | None = None
@@ -276,8 +275,8 @@ class RealtimeSession:
             return
         if self.config.rate != SAMPLE_RATE:
             if self._resampler is None:
-                self._resampler = soxr.ResampleStream(self.config.rate, SAMPLE_RATE, 1, dtype="float32")
-            samples = self._resampler.resample_chunk(samples)
+                self._resampler = LiveResampler(self.config.rate)
+            samples = self._resampler(samples)
         if samples.size:  # an empty chunk (or one the resampler holds back) opens no utterance
             self._ingest(samples)
 
