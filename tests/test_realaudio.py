@@ -45,3 +45,25 @@ def test_bench_audio_long_file(benchdata: Path, tmp_path: Path) -> None:
     systems = ("ours sequential", "ours chunked (batched)", "faster-whisper sequential", "faster-whisper batched")
     for name in systems:
         assert report[name]["seconds"] > 0 and report[name]["wer"] < 0.2, (name, report[name])
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_bench_audio_noise_reduction(benchdata: Path, tmp_path: Path) -> None:
+    """The measurement behind `noise_reduction` being a no-op: both suppressors really run (they change what the
+    model hears), every condition is reported for each, and on noise alone turn detection starts nothing."""
+    out = tmp_path / "noise.json"
+    done = run_app(
+        "bench-audio", "--manifest", str(benchdata / "manifest.jsonl"), "--part", "noise-reduction", "--clips", "2",
+        "--json", str(out), timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    suppressors = {"none", "rnnoise", "spectral gating"}
+    assert set(report) == {"wer", "false starts per minute", "turns found of 2"}
+    assert len(report["wer"]) == 7 and all(set(row) == suppressors for part in report.values() for row in part.values())
+    assert report["wer"]["clean"]["none"] < 0.2
+    assert any(row["rnnoise"] != row["none"] for row in report["wer"].values())
+    assert any(row["spectral gating"] != row["none"] for row in report["wer"].values())
+    assert all(row["none"] == 0 for row in report["false starts per minute"].values())
+    assert all(row["none"] >= 2 for name, row in report["turns found of 2"].items() if name.startswith("pink"))

@@ -167,11 +167,16 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _bench_audio(args: argparse.Namespace) -> int:
-    from app.tools.realaudio import run_bench_audio
+    if args.part == "noise-reduction":
+        from app.tools.noisereduction import run_noise_reduction_bench
 
-    report = run_bench_audio(
-        args.manifest, args.part, args.long_minutes, args.reference, args.threads or 2, clips=args.clips
-    )
+        report = run_noise_reduction_bench(args.manifest, args.clips)
+    else:
+        from app.tools.realaudio import run_bench_audio
+
+        report = run_bench_audio(
+            args.manifest, args.part, args.long_minutes, args.reference, args.threads or 2, clips=args.clips
+        )
     print(json.dumps(report, indent=2))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
@@ -327,7 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
         "bench-audio", help="real-world audio: made-up words on non-speech, WER on hard speech, long files"
     )
     audio.add_argument("--manifest", type=Path, default=default_manifest(), help="benchdata manifest.jsonl")
-    audio.add_argument("--part", choices=["conditions", "long", "all"], default="all")
+    audio.add_argument(
+        "--part",
+        choices=["conditions", "long", "all", "noise-reduction"],
+        default="all",
+        help="all: conditions and long; noise-reduction: WER and turn detection behind noise suppressors",
+    )
     audio.add_argument("--long-minutes", type=float, default=10.0, help="length of the long file")
     audio.add_argument(
         "--clips", type=int, default=24, help="English short clips in each speech condition (24: ~2.7 min, ~400 words)"

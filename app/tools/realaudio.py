@@ -57,7 +57,7 @@ def _wav(audio: np.ndarray, rate: int = SR, subtype: str = "PCM_16") -> bytes:
     return out.getvalue()
 
 
-def _music(seconds: float) -> np.ndarray:
+def music(seconds: float) -> np.ndarray:
     """Chords that change every half second, with a beat and harmonics: music-like, not speech."""
     t = np.arange(int(seconds * SR)) / SR
     root = 110 * 2 ** (np.array([0, 5, 7, 3])[(t // 2).astype(int) % 4] / 12)
@@ -82,7 +82,7 @@ def build_conditions(clips: list[ManifestClip], seed: int = 0) -> list[Condition
         Condition("silence", np.zeros(n, np.float32), None),
         Condition("room hiss", (rng.normal(0, 10 ** (-50 / 20), n)).astype(np.float32), None),
         Condition("loud noise", (rng.normal(0, 0.1, n)).astype(np.float32), None),
-        Condition("music", _music(NON_SPEECH_SECONDS), None),
+        Condition("music", music(NON_SPEECH_SECONDS), None),
         Condition("long pauses", joined(lambda: float(rng.uniform(8, 20))), text),
     ]
     for snr in (20, 10, 5):
