@@ -44,7 +44,7 @@ class SessionConfig:
     audio_format: str = "pcm16"  # one of FORMATS
     sample_rate: int = 24000  # pcm16's; G.711 is always 8 kHz
     vad: VadParams | None = field(default_factory=VadParams)  # None: the client commits turns itself
-    noise_reduction: str | None = None  # accepted and echoed; no suppressor runs: measured, they hurt (docs/performance.md)
+    noise_reduction: str | None = None  # accepted and echoed; no suppressor runs (measured: docs/performance.md)
     logprobs: bool = False  # `include`s LOGPROBS
 
     @property
