@@ -178,6 +178,8 @@ class LiveResampler:
         """float32 samples at `rate` -> float32 samples at 16 kHz (nearly as many as they last)."""
         import av
 
+        if samples.size == 0:  # libswresample takes no empty frame
+            return np.zeros(0, np.float32)
         frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples, np.float32).reshape(1, -1), "flt", "mono")
         frame.sample_rate = self.rate
         out = [f.to_ndarray().reshape(-1) for f in self._swr.resample(frame)]
