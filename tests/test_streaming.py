@@ -380,6 +380,7 @@ def test_realtime_bad_events_get_errors_and_others_keep_working(server: ServerPr
     bad.send({"type": "no.such.event", "event_id": "evt_1"})
     bad.send({"type": "input_audio_buffer.append", "audio": "%%%not base64%%%"})
     bad.ws.send(b"\x00\x01binary")
+    bad.send({"type": "input_audio_buffer.append", "audio": ""})  # nothing to resample from 24 kHz: no error
     bad.send({"type": "input_audio_buffer.commit"})
     bad.send({"type": "transcription_session.update", "session": {"input_audio_format": "g729"}})
     bad.send(
