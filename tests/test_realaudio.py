@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -32,16 +33,21 @@ def test_the_hard_audio_set(manifest: dict[str, ManifestClip]) -> None:
     assert audio.size >= 30 * SR and text.startswith(english[0].text)
 
 
+def _bench_audio(benchdata: Path, tmp_path: Path, *args: str) -> dict[str, Any]:
+    """`bench-audio` run as a command with `args`; its JSON report."""
+    out = tmp_path / "audio.json"
+    done = run_app(
+        "bench-audio", "--manifest", str(benchdata / "manifest.jsonl"), *args, "--json", str(out), timeout=900
+    )
+    assert done.returncode == 0, done.stderr
+    report: dict[str, Any] = json.loads(out.read_text())
+    return report
+
+
 @pytest.mark.server
 @pytest.mark.slow
 def test_bench_audio_long_file(benchdata: Path, tmp_path: Path) -> None:
-    out = tmp_path / "audio.json"
-    done = run_app(
-        "bench-audio", "--manifest", str(benchdata / "manifest.jsonl"), "--part", "long", "--long-minutes", "0.5",
-        "--json", str(out), timeout=900,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    report = json.loads(out.read_text())["long"]
+    report = _bench_audio(benchdata, tmp_path, "--part", "long", "--long-minutes", "0.5")["long"]
     systems = ("ours sequential", "ours chunked (batched)", "faster-whisper sequential", "faster-whisper batched")
     for name in systems:
         assert report[name]["seconds"] > 0 and report[name]["wer"] < 0.2, (name, report[name])
@@ -52,13 +58,7 @@ def test_bench_audio_long_file(benchdata: Path, tmp_path: Path) -> None:
 def test_bench_audio_noise_reduction(benchdata: Path, tmp_path: Path) -> None:
     """The measurement behind `noise_reduction` being a no-op: both suppressors really run (they change what the
     model hears), every condition is reported for each, and on noise alone turn detection starts nothing."""
-    out = tmp_path / "noise.json"
-    done = run_app(
-        "bench-audio", "--manifest", str(benchdata / "manifest.jsonl"), "--part", "noise-reduction", "--clips", "2",
-        "--json", str(out), timeout=900,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    report = json.loads(out.read_text())
+    report = _bench_audio(benchdata, tmp_path, "--part", "noise-reduction", "--clips", "2")
     suppressors = {"none", "rnnoise", "spectral gating"}
     assert set(report) == {"wer", "false starts per minute", "turns found of 2"}
     assert len(report["wer"]) == 7 and all(set(row) == suppressors for part in report.values() for row in part.values())

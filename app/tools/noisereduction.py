@@ -99,16 +99,24 @@ def _reverb(audio: Audio, rng: np.random.Generator, rt60: float = 0.5) -> Audio:
     return (wet * np.sqrt(np.mean(audio**2)) / np.sqrt(np.mean(wet**2))).astype(np.float32)
 
 
+def _level(speech: Audio) -> float:
+    """The RMS level of the speech itself (its silences left out): what an SNR is measured against."""
+    return float(np.sqrt(np.mean(speech[np.abs(speech) > 1e-4] ** 2)))
+
+
+def _mix(speech: Audio, noise: Audio, level: float, snr: float) -> Audio:
+    """`noise` scaled to `snr` dB below `level`, added to `speech` (clipped to full scale)."""
+    return np.clip(speech + noise / noise.std() * level * 10 ** (-snr / 20), -1, 1).astype(np.float32)
+
+
 def speech_conditions(clips: list[ManifestClip], others: list[ManifestClip], seed: int = 0) -> dict[str, Audio]:
     """The clips between 0.5-s pauses, clean and under noise at a given SNR (against the speech's level)."""
     rng = np.random.default_rng(seed)
     speech = np.concatenate([x for c in clips for x in (load_audio(c.audio), np.zeros(SR // 2, np.float32))])
-    level = float(np.sqrt(np.mean(speech[np.abs(speech) > 1e-4] ** 2)))
-    hum = _hum(speech.size)
+    level = _level(speech)
 
     def plus(noise: Audio, snr: float, base: Audio = speech) -> Audio:
-        noise = noise / noise.std()
-        return np.clip(base + noise * level * 10 ** (-snr / 20), -1, 1).astype(np.float32)
+        return _mix(base, noise, level, snr)
 
     return {
         "clean": speech,
@@ -116,7 +124,7 @@ def speech_conditions(clips: list[ManifestClip], others: list[ManifestClip], see
         "pink noise, 5 dB SNR": plus(_pink(rng, speech.size), 5),
         "babble, 10 dB SNR": plus(_babble(others, speech.size), 10),
         "babble, 5 dB SNR": plus(_babble(others, speech.size), 5),
-        "mains hum, 0 dB SNR": plus(hum, 0),
+        "mains hum, 0 dB SNR": plus(_hum(speech.size), 0),
         "far field: reverb and pink noise, 10 dB SNR": plus(_pink(rng, speech.size), 10, _reverb(speech, rng)),
     }
 
@@ -148,10 +156,10 @@ def turns_in_noise(
     rng = np.random.default_rng(seed)
     gap = np.zeros(2 * SR, np.float32)
     speech = np.concatenate([x for c in clips for x in (gap, load_audio(c.audio))] + [gap])
-    level = float(np.sqrt(np.mean(speech[np.abs(speech) > 1e-4] ** 2)))
+    level = _level(speech)
 
     def plus(noise: Audio, snr: float) -> Audio:
-        return np.clip(speech + noise * level * 10 ** (-snr / 20), -1, 1).astype(np.float32)
+        return _mix(speech, noise, level, snr)
 
     conditions = {f"pink noise, {snr} dB SNR": plus(_pink(rng, speech.size), snr) for snr in (10, 0)}
     conditions["babble, 10 dB SNR"] = plus(_babble(others, speech.size), 10)

@@ -157,10 +157,11 @@ class Batcher:
         rows = first.job.options.rows
         deadline = time.perf_counter() + self.window_s
         while len(batch) < self.max_batch and rows < self.max_rows:
-            if self.lanes[Lane.LIVE_FINAL] and self._apart(batch) is Lane.LIVE_FINAL:
+            apart = self._apart(batch)
+            if self.lanes[Lane.LIVE_FINAL] and apart is Lane.LIVE_FINAL:
                 self._requeue(batch)  # a final arrived while partials gathered: it leads, they wait
                 return await self._collect()
-            item = self._take(self._apart(batch))
+            item = self._take(apart)
             if item is not None and rows + item.job.options.rows > self.max_rows:
                 self.lanes[item.lane].appendleft(item)  # too wide for this batch: it leads the next one
                 break
