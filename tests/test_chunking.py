@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from collections.abc import Callable
 
 import httpx
@@ -16,7 +17,7 @@ from openai import OpenAI
 
 from app.tools.bench import error_rate
 from app.tools.manifest import ManifestClip
-from tests.server import ServerProcess, openai_client, server_fixture
+from tests.server import ServerProcess, metric, openai_client, server_fixture
 
 SR = 16000
 FIRST, SECOND = "ljspeech/LJ001-0001", "ljspeech/LJ001-0002"
@@ -111,6 +112,33 @@ def test_long_audio_is_decoded_in_batches_and_streams(
             done = event.text
     plain = client.audio.transcriptions.create(model="whisper-1", file=("long.wav", data))
     assert len(deltas) >= 2 and "".join(deltas) == done == plain.text
+
+
+def test_a_client_that_leaves_stops_its_chunks(
+    server: ServerProcess, client: OpenAI, clip: Callable[[str], np.ndarray], manifest: dict[str, ManifestClip]
+) -> None:
+    """Chunks are found and queued as the decoding goes: a client that leaves after the first delta of a
+    ~6-min upload (>= 10 chunks) leaves at most the two batches already queued decoded, and no task behind."""
+    english = [c for c in manifest.values() if c.language == "en" and c.subset == "short"][:16]
+    pause = np.zeros(3 * SR, np.float32)
+    speech = [clip(c.id) for c in english] * 3
+    assert sum(s.size for s in speech) > 10 * 30 * SR
+    data = _wav(np.concatenate([x for s in speech for x in (s, pause)]))
+    client.audio.transcriptions.create(model="whisper-1", file=("warm.wav", _wav(speech[0])))
+    tasks, jobs = metric(server, "specwhisper_asyncio_tasks"), metric(server, "specwhisper_batch_size_sum")
+    fields = {"model": "whisper-1", "stream": "true", "chunking_strategy": "auto"}
+    url = f"{server.url}/v1/audio/transcriptions"
+    with httpx.stream("POST", url, data=fields, files={"file": ("long.wav", data)}, timeout=300) as r:
+        assert r.status_code == 200
+        assert any("transcript.text.delta" in line for line in r.iter_lines())  # the first delta, then away
+    deadline = time.monotonic() + 60
+    while metric(server, "specwhisper_asyncio_tasks") > tasks and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert metric(server, "specwhisper_asyncio_tasks") <= tasks
+    time.sleep(2)  # a batch that was still running has finished by now
+    assert metric(server, "specwhisper_batch_size_sum") - jobs <= 8
+    after = client.audio.transcriptions.create(model="whisper-1", file=("again.wav", _wav(speech[0])))
+    assert error_rate([(english[0].text, after.text, "en")]) < 0.2
 
 
 def test_single_block_when_asked(client: OpenAI, meeting: tuple[bytes, list[tuple[float, float]]]) -> None:

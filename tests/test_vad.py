@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from app.api.types import InvalidRequestError
 from app.server.serving.chunking import CHUNK_SECONDS, Chunk, normalized, plan
-from app.server.vad import SileroVad, VadParams, server_vad
+from app.server.vad import WINDOW, SileroVad, VadParams, server_vad, settled_regions
 
 SR = 16000
 SPEECH = "ljspeech/LJ001-0001"  # 9.7 s of read speech
@@ -57,6 +57,68 @@ def test_regions_are_cut_at_pauses_to_fit_a_chunk(vad: SileroVad, clip: Callable
     regions = vad.regions(speech, VadParams(), max_seconds=CHUNK_SECONDS)
     assert len(regions) >= 2
     assert all(end - start <= CHUNK_SECONDS * SR for start, end in regions)
+
+
+def test_regions_as_found_are_silero_s_regions(vad: SileroVad, clip: Callable[[str], np.ndarray]) -> None:
+    """Yielded while the VAD still listens, the regions are those the library finds over the whole upload."""
+    from silero_vad import get_speech_timestamps
+
+    rng = np.random.default_rng(3)
+    speech = clip(SPEECH)
+    parts = [np.zeros(SR // 3, np.float32)]
+    for k in range(12):  # ~3 min: speech between pauses of 0.1-5 s, some of it in noise
+        parts += [speech * (0.2 if k % 3 else 1.0), np.zeros(int(rng.uniform(0.1, 5) * SR), np.float32)]
+        if k % 4 == 1:
+            parts.append(_noise(2, 0.02, seed=k))
+    audio = np.concatenate(parts)[: -SR // 7]  # ending mid-frame
+    for params, max_seconds in ((VadParams(), CHUNK_SECONDS), (VadParams(0.3, 400, 2000, 100), 12.0)):
+        expected = get_speech_timestamps(
+            audio,
+            vad._fresh(),
+            threshold=params.threshold,
+            min_speech_duration_ms=params.min_speech_duration_ms,
+            min_silence_duration_ms=params.silence_duration_ms,
+            speech_pad_ms=params.prefix_padding_ms,
+            max_speech_duration_s=max_seconds,
+        )
+        assert len(expected) > 10
+        assert vad.regions(audio, params, max_seconds) == [(r["start"], min(r["end"], audio.size)) for r in expected]
+    # The first region comes before the VAD has heard the end: silenced after it came, the last minute has none.
+    found = vad.regions_as_found(audio, VadParams())
+    first = next(found)
+    audio[-60 * SR :] = 0
+    later = list(found)
+    assert first[1] < 20 * SR and later and later[-1][1] < audio.size - 60 * SR
+
+
+@given(
+    st.lists(st.tuples(st.floats(0, 1), st.integers(1, 60)), min_size=1, max_size=40),
+    st.lists(st.integers(1, 200), min_size=1, max_size=20),
+    st.sampled_from([0, 250, 1000]),
+    st.sampled_from([100, 500, 2000]),
+    st.sampled_from([0, 30, 400]),
+    st.sampled_from([2.0, 5.0, 30.0, float("inf")]),
+)
+def test_a_region_is_yielded_once_no_later_audio_changes_it(
+    runs: list[tuple[float, int]], blocks: list[int], min_speech: int, silence: int, pad: int, longest: float
+) -> None:
+    """Any probabilities, in any blocks: the regions yielded as found are the library's over all of them."""
+    from silero_vad.utils_vad import get_speech_timestamps_from_probs
+
+    probs = [p for p, n in runs for p in [p] * n]
+    rules = {
+        "threshold": 0.5,
+        "sampling_rate": SR,
+        "min_speech_duration_ms": min_speech,
+        "min_silence_duration_ms": silence,
+        "speech_pad_ms": pad,
+        "max_speech_duration_s": longest,
+    }
+    cuts = np.cumsum(blocks).tolist()
+    parts = [probs[a:b] for a, b in zip([0, *cuts], [*cuts, len(probs)], strict=True) if a < len(probs)]
+    length = len(probs) * WINDOW - 100
+    expected = get_speech_timestamps_from_probs(probs, audio_length_samples=length, **rules)
+    assert list(settled_regions(parts, rules, length)) == [(r["start"], r["end"]) for r in expected]
 
 
 def test_stream_reports_turns_as_regions_do(vad: SileroVad, clip: Callable[[str], np.ndarray]) -> None:
@@ -110,7 +172,7 @@ def test_params_are_openais_and_validated() -> None:
 
 def test_plan_packs_whole_regions_into_chunks() -> None:
     regions = [(0, 10 * SR), (12 * SR, 25 * SR), (40 * SR, 50 * SR), (60 * SR, 100 * SR)]
-    chunks = plan(regions)
+    chunks = list(plan(regions))
     assert [c.pieces for c in chunks] == [
         ((0, 10 * SR), (12 * SR, 25 * SR)),
         ((40 * SR, 50 * SR),),

@@ -18,6 +18,7 @@ import copy
 import os
 import threading
 import warnings
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -28,6 +29,7 @@ from app.api.types import InvalidRequestError
 
 WINDOW = 512  # samples per Silero frame at 16 kHz (32 ms)
 PAUSE_MS = 200  # silence before a pause is reported (between-word gaps are shorter)
+FIRST_BLOCK = 313  # frames (10 s) heard before an upload's regions are first looked at
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,27 @@ class VadEvent:
     sample: int
 
 
+def settled_regions(blocks: Iterable[list[float]], rules: dict[str, Any], length: int) -> Iterator[tuple[int, int]]:
+    """Silero's speech regions (`get_speech_timestamps_from_probs` with `rules`) of `length` samples whose frame
+    probabilities come in `blocks`, each region yielded once no later frame can change it. The rules run left
+    to right: after each block they rerun over the frames so far, and all but the last two regions are final
+    (the last may still grow, be cut or be dropped as too short; the one before it is padded towards the
+    last one's start). tests/test_vad.py holds the library to this."""
+    from silero_vad.utils_vad import get_speech_timestamps_from_probs
+
+    probs: list[float] = []
+    done = 0
+    for block in blocks:
+        probs += block
+        found = get_speech_timestamps_from_probs(probs, audio_length_samples=len(probs) * WINDOW, **rules)
+        for region in found[done:-2]:
+            yield int(region["start"]), int(region["end"])
+        done = max(done, len(found) - 2)
+    if probs:
+        for region in get_speech_timestamps_from_probs(probs, audio_length_samples=length, **rules)[done:]:
+            yield int(region["start"]), int(region["end"])
+
+
 class SileroVad:
     """The loaded Silero model; thread-safe (each use keeps its own state)."""
 
@@ -128,22 +151,48 @@ class SileroVad:
     def regions(self, audio: np.ndarray, params: VadParams, max_seconds: float = float("inf")) -> list[tuple[int, int]]:
         """The speech of 16-kHz mono `audio` as [start, end) sample ranges, each padded by `prefix_padding_ms`
         on both sides and at most `max_seconds` long with its padding (a longer stretch is cut at its longest
-        pause). Blocking (~2.5 ms per second of audio): run it off the event loop."""
-        from silero_vad import get_speech_timestamps
+        pause): Silero's `get_speech_timestamps`. Blocking (~2.5 ms per second of audio): run it off the event
+        loop."""
+        return list(self.regions_as_found(audio, params, max_seconds))
 
-        if audio.size == 0:
-            return []
-        found = get_speech_timestamps(
-            audio,
-            self._fresh(),
-            threshold=params.threshold,
-            sampling_rate=SAMPLE_RATE,
-            min_speech_duration_ms=params.min_speech_duration_ms,
-            min_silence_duration_ms=params.silence_duration_ms,
-            speech_pad_ms=params.prefix_padding_ms,
-            max_speech_duration_s=max_seconds,
-        )
-        return [(int(r["start"]), min(int(r["end"]), audio.size)) for r in found]
+    def regions_as_found(
+        self, audio: np.ndarray, params: VadParams, max_seconds: float = float("inf")
+    ) -> Iterator[tuple[int, int]]:
+        """`regions`, each yielded as soon as the audio after it can no longer change it, so that a long
+        upload's first chunks are decoded while the VAD still listens to the rest. Blocking per step."""
+        rules = {
+            "threshold": params.threshold,
+            "sampling_rate": SAMPLE_RATE,
+            "min_speech_duration_ms": params.min_speech_duration_ms,
+            "min_silence_duration_ms": params.silence_duration_ms,
+            "speech_pad_ms": params.prefix_padding_ms,
+            "max_speech_duration_s": max_seconds,
+        }
+        for start, end in settled_regions(self._probabilities(audio), rules, audio.size):
+            yield start, min(end, audio.size)
+
+    def _probabilities(self, audio: np.ndarray) -> Iterator[list[float]]:
+        """Silero's speech probability of each 512-sample frame (the last one padded with zeros), as
+        `get_speech_timestamps` computes them, in blocks of at least `FIRST_BLOCK` frames that grow with the
+        audio heard (each block costs a rerun of the region rules over all the frames so far)."""
+        import torch
+
+        model = self._fresh()
+        samples = torch.as_tensor(audio, dtype=torch.float32)
+        block: list[float] = []
+        heard = 0
+        with torch.no_grad():
+            for start in range(0, samples.numel(), WINDOW):
+                frame = samples[start : start + WINDOW]
+                if frame.numel() < WINDOW:
+                    frame = torch.nn.functional.pad(frame, (0, WINDOW - frame.numel()))
+                block.append(float(model(frame, SAMPLE_RATE).item()))
+                if len(block) >= max(FIRST_BLOCK, heard // 4):
+                    heard += len(block)
+                    yield block
+                    block = []
+        if block:
+            yield block
 
     def stream(self, params: VadParams) -> SpeechStream:
         return SpeechStream(self, params)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -47,28 +47,26 @@ class Chunk:
         return (self.pieces[k][0] + sample - starts[k]) / SAMPLE_RATE
 
 
-def plan(regions: Sequence[tuple[int, int]], max_seconds: float = CHUNK_SECONDS) -> list[Chunk]:
+def plan(regions: Iterable[tuple[int, int]], max_seconds: float = CHUNK_SECONDS) -> Iterator[Chunk]:
     """Pack speech regions, in order, into chunks of at most `max_seconds` of audio (a longer region, which
-    the VAD should not give, is cut)."""
+    the VAD should not give, is cut). Each chunk is yielded as soon as the next region does not fit in it."""
     limit = int(max_seconds * SAMPLE_RATE)
-    chunks: list[Chunk] = []
     pieces: list[tuple[int, int]] = []
     size = 0
     for start, end in regions:
         while end - start > limit:  # not from the VAD, which cuts long speech at a pause
             if pieces:
-                chunks.append(Chunk(tuple(pieces)))
+                yield Chunk(tuple(pieces))
                 pieces, size = [], 0
-            chunks.append(Chunk(((start, start + limit),)))
+            yield Chunk(((start, start + limit),))
             start += limit
         if size + end - start > limit and pieces:
-            chunks.append(Chunk(tuple(pieces)))
+            yield Chunk(tuple(pieces))
             pieces, size = [], 0
         pieces.append((start, end))
         size += end - start
     if pieces:
-        chunks.append(Chunk(tuple(pieces)))
-    return chunks
+        yield Chunk(tuple(pieces))
 
 
 def normalized(audio: np.ndarray) -> np.ndarray:

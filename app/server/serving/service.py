@@ -135,6 +135,13 @@ def _long_form(raw: dict[str, str]) -> dict[str, Any]:
     return out
 
 
+def _merged(
+    parts: Sequence[tuple[Chunk, Transcription, float]], audio: np.ndarray, options: DecodingOptions
+) -> Transcription:
+    """A chunked upload's transcription, from its chunks', in order."""
+    return merge([c for c, _, _ in parts], [t for _, t, _ in parts], audio.size / SAMPLE_RATE, options.language)
+
+
 def _delta(req: TranscriptionRequest, delta: str, segments: Sequence[Segment]) -> dict[str, Any]:
     """A `transcript.text.delta` event: the new text, and its tokens' log-probabilities when asked for."""
     event: dict[str, Any] = {"type": "transcript.text.delta", "delta": delta}
@@ -372,41 +379,51 @@ class TranscriptionService:
         audio = await self._audio(req)
         request_id = request_id or uuid.uuid4().hex
         if chunking is not None:
-            chunks = await self._chunks(audio, chunking)
-            async with aclosing(self._chunk_results(request_id, audio, options, chunks)) as results:
-                parts = [t async for t in results]
-            queue_ms = parts[0][1] if parts else 0.0
-            transcription = merge(chunks, [t for t, _ in parts], audio.size / SAMPLE_RATE, options.language)
+            async with aclosing(self._chunk_results(request_id, audio, options, chunking)) as results:
+                parts = [part async for part in results]
+            queue_ms = parts[0][2] if parts else 0.0
+            transcription = _merged(parts, audio, options)
         else:
             transcription, queue_ms = await self.result(self.submit(Job(request_id, audio, options)))
         return self._reply(req, transcription, queue_ms, (time.perf_counter() - started) * 1000)
 
     # -- chunked uploads -------------------------------------------------------------------------------
-    async def _chunks(self, audio: np.ndarray, chunking: Chunking) -> list[Chunk]:
-        """The upload's speech, packed into chunks of at most 30 s (the VAD runs off the event loop)."""
+    def _chunks(self, audio: np.ndarray, chunking: Chunking) -> Iterator[Chunk]:
+        """The upload's speech, packed into chunks of at most 30 s, each as soon as the VAD has settled it.
+        Blocking per step: each `next` runs the VAD only as far as the next chunk."""
         heard = normalized(audio) if chunking.normalize else audio
-        regions = await asyncio.to_thread(self.vad.regions, heard, chunking.params, CHUNK_SECONDS)
-        return plan(regions)
+        return plan(self.vad.regions_as_found(heard, chunking.params, CHUNK_SECONDS))
 
     async def _chunk_results(
-        self, request_id: str, audio: np.ndarray, options: DecodingOptions, chunks: Sequence[Chunk]
-    ) -> AsyncGenerator[tuple[Transcription, float], None]:
-        """Each chunk's transcription and queue time, in order. At most `max_batch` chunks of a request are
-        queued at once: they fill a batch together, and other requests' jobs take turns with them."""
-        queued: deque[asyncio.Future[tuple[Transcription, float]]] = deque()
-        waiting = iter(enumerate(chunks))
+        self, request_id: str, audio: np.ndarray, options: DecodingOptions, chunking: Chunking
+    ) -> AsyncGenerator[tuple[Chunk, Transcription, float], None]:
+        """Each chunk with its transcription and queue time, in order. Chunks are queued as the VAD finds them
+        (in a thread, one chunk ahead), at most `max_batch` of a request at once: they fill a batch together,
+        other requests' jobs take turns with them, and the VAD listens on while they are decoded."""
+        chunks = self._chunks(audio, chunking)
+        found: asyncio.Future[Chunk | None] | None = asyncio.ensure_future(asyncio.to_thread(next, chunks, None))
+        queued: deque[tuple[Chunk, asyncio.Future[tuple[Transcription, float]]]] = deque()
+        dispatched = 0
         try:
             while True:
-                for i, chunk in waiting:
-                    job = Job(f"{request_id}-{i}", chunk.audio(audio), options)
-                    queued.append(asyncio.ensure_future(self.result(self.submit(job))))
-                    if len(queued) >= self.settings.max_batch:
-                        break
-                if not queued:
+                while found is not None and found.done() and len(queued) < self.settings.max_batch:
+                    chunk = found.result()
+                    found = None if chunk is None else asyncio.ensure_future(asyncio.to_thread(next, chunks, None))
+                    if chunk is not None:
+                        job = Job(f"{request_id}-{dispatched}", chunk.audio(audio), options)
+                        queued.append((chunk, asyncio.ensure_future(self.result(self.submit(job)))))
+                        dispatched += 1
+                if not queued and found is None:
                     return
-                yield await queued.popleft()
-        finally:  # the client went away, or a chunk failed: drop the rest
-            for future in queued:
+                waits: list[asyncio.Future[Any]] = [queued[0][1]] if queued else []
+                if found is not None and len(queued) < self.settings.max_batch:
+                    waits.append(found)
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if queued and queued[0][1].done():
+                    chunk, result = queued.popleft()
+                    yield (chunk, *result.result())
+        finally:  # the client went away, or a chunk failed: drop the rest (a VAD step under way ends by itself)
+            for future in [f for _, f in queued] + ([found] if found is not None else []):
                 future.cancel()
                 if future.done() and not future.cancelled():
                     future.exception()  # retrieved: its error is the one already raised, or moot
@@ -422,8 +439,7 @@ class TranscriptionService:
         audio = await self._audio(req)
         request_id = request_id or uuid.uuid4().hex
         if chunking is not None:
-            chunks = await self._chunks(audio, chunking)
-            return self._chunked_events(req, request_id, audio, options, chunks, started)
+            return self._chunked_events(req, request_id, audio, options, chunking, started)
         pending = self.submit(Job(request_id, audio, options, stream=True))
         return self._events(req, pending, started)
 
@@ -433,26 +449,27 @@ class TranscriptionService:
         request_id: str,
         audio: np.ndarray,
         options: DecodingOptions,
-        chunks: Sequence[Chunk],
+        chunking: Chunking,
         started: float,
     ) -> AsyncIterator[dict[str, Any]]:
         """`transcript.text.delta` per chunk, in order, then `transcript.text.done`."""
-        parts: list[tuple[Transcription, float]] = []
+        parts: list[tuple[Chunk, Transcription, float]] = []
         sent = False
         try:
-            async with aclosing(self._chunk_results(request_id, audio, options, chunks)) as results:
+            async with aclosing(self._chunk_results(request_id, audio, options, chunking)) as results:
                 async for part in results:
                     parts.append(part)
-                    text = "".join(s.text for s in part[0].segments)  # as `merge` joins them
+                    segments = part[1].segments
+                    text = "".join(s.text for s in segments)  # as `merge` joins them
                     delta = text if sent else text.lstrip()
                     if delta.strip():
-                        yield _delta(req, delta, part[0].segments)
+                        yield _delta(req, delta, segments)
                         sent = True
         except errors.ApiError as exc:
             yield {"type": "error", **exc.body()}
             return
-        transcription = merge(chunks, [t for t, _ in parts], audio.size / SAMPLE_RATE, options.language)
-        reply = self._reply(req, transcription, parts[0][1] if parts else 0.0, (time.perf_counter() - started) * 1000)
+        transcription = _merged(parts, audio, options)
+        reply = self._reply(req, transcription, parts[0][2] if parts else 0.0, (time.perf_counter() - started) * 1000)
         yield _done(req, transcription, reply.metrics)
 
     async def _events(
