@@ -42,6 +42,13 @@ class Settings(BaseSettings):
         description="the encoder's self-attention in fp32 on a CPU: oneDNN products per head, torch's flash kernel,"
         " or whichever runs faster on this CPU (timed once per worker)",
     )
+    encoder_rows: int = Field(
+        0,
+        ge=0,
+        le=4,
+        description="most windows the main encoder runs in one pass; 0 (auto): 2 on a CPU, where four at once ran"
+        " 17% slower per window than one or two (their activations outgrow the caches), all of them on a GPU",
+    )
     decoder_attention: Literal["invariant", "sdpa"] = Field(
         "invariant",
         description="the decoders' attention: 'invariant' gives every token the same bits whether a pass feeds it"

@@ -131,6 +131,28 @@ def test_encoder_matches_transformers(base: WhisperModel, base_dir: Path, speech
         plain(features[..., :2000])
 
 
+def test_encoder_rows_per_pass_keep_each_row_s_bits(base: WhisperModel, speech_features: torch.Tensor) -> None:
+    """Four windows run two at a time (`rows_per_pass`, a CPU's default) or one at a time give the states of
+    all four at once, bit for bit, and the heartbeat still runs after every layer of every pass."""
+    assert base.encoder is not None
+    torch.manual_seed(3)
+    features = torch.cat([speech_features, torch.randn(3, 80, 3000) * 0.3])
+    beats: list[int] = []
+    before = base.encoder.rows_per_pass
+    try:
+        with torch.inference_mode():
+            results = {}
+            for rows in (None, 2, 1):
+                base.encoder.rows_per_pass = rows
+                beats.clear()
+                results[rows] = base.encode(features, between_layers=lambda: beats.append(1))
+                assert len(beats) == len(base.encoder.layers) * (4 // (rows or 4))
+    finally:
+        base.encoder.rows_per_pass = before
+    assert results[None].shape == (4, base.encoder.n_frames, results[None].shape[-1])
+    assert torch.equal(results[2], results[None]) and torch.equal(results[1], results[None])
+
+
 def _each_isa(ext: object) -> list[str]:
     """The kernel's instruction sets this CPU runs (widest first)."""
     runs = []

@@ -27,6 +27,7 @@ def build_engine(settings: Settings, *, progress: bool = True) -> Engine:
     main = load_model(settings.model, store, device=device, dtype=dtype, encoder_dtype=encoder_dtype, progress=progress)
     if main.encoder is not None:
         main.encoder.attention_kernel = settings.encoder_attention
+        main.encoder.rows_per_pass = settings.encoder_rows or (2 if device.type == "cpu" else None)
     main.decoder.attention = settings.decoder_attention
     length = DraftLength(initial=settings.draft_tokens, adaptive=settings.adaptive_draft)
     drafter: Drafter | None = None

@@ -61,13 +61,15 @@ class EncoderLayer(nn.Module):
 class AudioEncoder(nn.Module):
     """Log-mel [B, M, F] -> encoder states [B, T, D].
 
-    `attention_kernel` picks the self-attention's kernel (`app.model.kernels.attention`).
+    `attention_kernel` picks the self-attention's kernel (`app.model.kernels.attention`); `rows_per_pass`
+    (None: all) runs a batch's windows that many at a time. Each row's states are the same bits either way.
     """
 
     def __init__(self, n_mels: int, d_model: int, n_heads: int, ffn_dim: int, n_layers: int, n_frames: int) -> None:
         super().__init__()
         self.n_heads = n_heads
         self.attention_kernel: AttentionKernel = "auto"
+        self.rows_per_pass: int | None = None
         self.conv1 = nn.Conv1d(n_mels, d_model, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(d_model, d_model, kernel_size=3, stride=2, padding=1)
         self.positions = nn.Parameter(torch.zeros(n_frames, d_model), requires_grad=False)
@@ -119,6 +121,12 @@ class AudioEncoder(nn.Module):
         expected = 2 * self.n_frames
         if features.shape[-1] != expected:
             raise ValueError(f"the encoder takes {expected} mel frames (one 30-s window), got {features.shape[-1]}")
+        rows = self.rows_per_pass
+        if rows is not None and features.shape[0] > rows:
+            return torch.cat([self._pass(part, between_layers) for part in features.split(rows)])
+        return self._pass(features, between_layers)
+
+    def _pass(self, features: Tensor, between_layers: Callable[[], None] | None) -> Tensor:
         x = F.gelu(self.conv1(features))
         x = F.gelu(self.conv2(x))
         x = x.transpose(1, 2) + self.positions
