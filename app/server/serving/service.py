@@ -390,9 +390,10 @@ class TranscriptionService:
     # -- chunked uploads -------------------------------------------------------------------------------
     def _chunks(self, audio: np.ndarray, chunking: Chunking) -> Iterator[Chunk]:
         """The upload's speech, packed into chunks of at most 30 s, each as soon as the VAD has settled it.
-        Blocking per step: each `next` runs the VAD only as far as the next chunk."""
+        Blocking per step (a generator: the first `next` levels the loudness too), each `next` running the
+        VAD only as far as the next chunk."""
         heard = normalized(audio) if chunking.normalize else audio
-        return plan(self.vad.regions_as_found(heard, chunking.params, CHUNK_SECONDS))
+        yield from plan(self.vad.regions_as_found(heard, chunking.params, CHUNK_SECONDS))
 
     async def _chunk_results(
         self, request_id: str, audio: np.ndarray, options: DecodingOptions, chunking: Chunking
