@@ -81,6 +81,8 @@ ENV PATH=/opt/venv/bin:$PATH \
 ENV FORWARDED_ALLOW_IPS=*
 WORKDIR /home/specwhisper
 USER specwhisper:specwhisper
+LABEL org.opencontainers.image.title="specwhisper" \
+    org.opencontainers.image.description="Whisper transcription server with speculative decoding"
 EXPOSE 8000
 STOPSIGNAL SIGTERM
 # Ready = the worker has the models loaded (503 while it loads or restarts). Loading takes a while on

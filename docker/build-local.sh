@@ -139,6 +139,12 @@ if [ -n "$ca" ] && [ -s "$ca" ]; then secrets+=(--secret "id=pip_ca,src=$ca"); f
 if [ -n "${PIP_CONF_SECRET:-}" ]; then secrets+=(--secret "id=pip_conf,src=$PIP_CONF_SECRET"); fi
 
 # --- the project's images ----------------------------------------------------------------------------------
+# What the tags name now: a rebuild moves the tags, and an image left with no tag (and no container) is removed
+# at the end, so repeated builds do not pile up untagged gigabytes. The build cache keeps the layers.
+declare -A before=()
+for tag in "$IMAGE" "$SLIM_IMAGE" "$LB_IMAGE"; do
+    before[$tag]=$(docker image inspect -f '{{.Id}}' "$tag" 2>/dev/null || true)
+done
 args=(--build-arg "PYTHON_IMAGE=$python_image" --build-arg "TORCH_VERSION=$TORCH_VERSION" "${secrets[@]}")
 log "building $IMAGE"
 "${build[@]}" "${args[@]}" -t "$IMAGE" .
@@ -148,6 +154,16 @@ if [ "$slim" = 1 ]; then
 fi
 log "building $LB_IMAGE"
 "${build[@]}" --build-arg "HAPROXY_IMAGE=$haproxy_image" -f docker/haproxy/Dockerfile -t "$LB_IMAGE" .
+
+for tag in "${!before[@]}"; do
+    old=${before[$tag]}
+    [ -n "$old" ] || continue
+    [ "$old" = "$(docker image inspect -f '{{.Id}}' "$tag" 2>/dev/null || true)" ] && continue
+    if [ -z "$(docker image inspect -f '{{join .RepoTags ""}}' "$old" 2>/dev/null)" ] \
+        && docker image rm "$old" >/dev/null 2>&1; then
+        log "removed the image $tag named before (${old:7:12})"
+    fi
+done
 
 images=("$IMAGE" "$LB_IMAGE")
 if [ "$slim" = 1 ]; then images+=("$SLIM_IMAGE"); fi

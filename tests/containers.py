@@ -10,10 +10,12 @@ import json
 import os
 import shutil
 import subprocess
+import tarfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -125,6 +127,43 @@ def build_images(log: Path) -> dict[str, str]:
     text = log.read_text()
     assert done.returncode == 0, f"docker/build-local.sh failed:\n{text[-6000:]}"
     return dict(line.split("\t", 1) for line in text.splitlines() if line.count("\t") == 1 and " MB" in line)
+
+
+def tidy(docker: DockerHost, keep_cache: str = "12GB") -> None:
+    """Keep a test machine's disk from filling over many runs: remove untagged images of this project (left by
+    builds before docker/build-local.sh removed them itself; by label, or by the project's user for older
+    images without one) and cap the build cache, oldest first. Nothing else on the daemon is touched."""
+    listed = docker.run("images", "--filter", "dangling=true", "--quiet", "--no-trunc").stdout.split()
+    for image in dict.fromkeys(listed):
+        config = json.loads(docker.run("image", "inspect", image).stdout)[0]["Config"]
+        title = (config.get("Labels") or {}).get("org.opencontainers.image.title", "")
+        if title.startswith("specwhisper") or config.get("User") == "specwhisper:specwhisper":
+            docker.run("image", "rm", image, check=False)  # fails, harmlessly, if a container uses it
+    docker.run("builder", "prune", "--force", "--keep-storage", keep_cache, check=False, timeout=600)
+
+
+def save_layers(docker: DockerHost, image: str) -> Iterator[tuple[str, Iterator[bytes]]]:
+    """`docker save IMAGE` read as it streams (an image can be larger than the free space in /tmp): each file
+    of the archive (manifest, config, layer tars) as (name, its bytes in pieces that overlap by 64 KiB, so a
+    string shorter than that is whole in at least one piece)."""
+    overlap, piece = 1 << 16, 1 << 24
+    with subprocess.Popen([docker.cli, "save", image], stdout=subprocess.PIPE) as save:
+        assert save.stdout is not None
+        with tarfile.open(fileobj=save.stdout, mode="r|") as archive:
+            for member in archive:
+                if not member.isfile():
+                    continue
+                blob = archive.extractfile(member)
+                assert blob is not None
+
+                def pieces(blob: IO[bytes] = blob) -> Iterator[bytes]:
+                    tail = b""
+                    while data := blob.read(piece):
+                        yield tail + data
+                        tail = data[-overlap:]
+
+                yield member.name, pieces()
+        assert save.wait(600) == 0, f"docker save {image} failed"
 
 
 def free_port() -> int:

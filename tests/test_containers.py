@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import subprocess
-import tarfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ from app.api.audio import load_audio
 from app.tools.bench import error_rate
 from app.tools.manifest import ManifestClip
 from tests.clients import TRANSCRIPTIONS, check_text, encode, realtime_text, sse_text, transcribe
-from tests.containers import LB, Deployment, DockerHost, build_images, docker_host
+from tests.containers import LB, Deployment, DockerHost, build_images, docker_host, save_layers, tidy
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
@@ -61,6 +60,7 @@ def images(docker: DockerHost, tmp_path_factory: pytest.TempPathFactory) -> dict
     finally:
         del os.environ["PIP_CONF_SECRET"]
     print("image sizes:", sizes)
+    tidy(docker)
     return sizes
 
 
@@ -122,7 +122,7 @@ def test_images_are_well_made(docker: DockerHost, images: dict[str, str]) -> Non
     assert slim.stdout.strip() == "", "the slim image carries no models"
 
 
-def test_no_build_secret_in_any_layer(docker: DockerHost, images: dict[str, str], tmp_path: Path) -> None:
+def test_no_build_secret_in_any_layer(docker: DockerHost, images: dict[str, str]) -> None:
     """The build's pip configuration (a canary) and the host's own CA certificates (pip_ca) are in no layer."""
     host_ca = Path(os.environ.get("PIP_CERT", "/etc/ssl/certs/ca-certificates.crt"))
     image_ca = docker.run("run", "--rm", "--entrypoint", "cat", IMAGE, "/etc/ssl/certs/ca-certificates.crt").stdout
@@ -132,18 +132,10 @@ def test_no_build_secret_in_any_layer(docker: DockerHost, images: dict[str, str]
     for image in (IMAGE, SLIM_IMAGE, LB_IMAGE):
         history = docker.run("history", "--no-trunc", image).stdout
         assert CANARY not in history and "pip_ca" not in history.replace("id=pip_ca", "")
-        archive = tmp_path / "image.tar"
-        docker.run("save", "-o", str(archive), image, timeout=600)
-        with tarfile.open(archive) as outer:
-            for member in outer:
-                if not member.isfile():
-                    continue
-                blob = outer.extractfile(member)
-                assert blob is not None
-                data = blob.read()
+        for name, pieces in save_layers(docker, image):
+            for data in pieces:
                 found = [n[:40] for n in needles if n in data]
-                assert not found, f"{image}: {member.name} holds {found}"
-        archive.unlink()
+                assert not found, f"{image}: {name} holds {found}"
 
 
 def test_mixed_requests_on_both_replicas(
