@@ -51,6 +51,7 @@ def docker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DockerHost]:
 
 @pytest.fixture(scope="module")
 def images(docker: DockerHost, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    tidy(docker)  # before building too: a machine that ran many builds may have little disk left
     work = tmp_path_factory.mktemp("images")
     canary = work / "pip.conf"
     canary.write_text(f"# {CANARY}\n[global]\n")
