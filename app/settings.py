@@ -8,6 +8,18 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# OpenAI's speech-to-text and realtime model names (not `gpt-4o-transcribe-diarize`: this server names no speakers).
+OPENAI_MODEL_NAMES = (
+    "gpt-4o-transcribe",
+    "gpt-4o-mini-transcribe",
+    "gpt-transcribe",
+    "gpt-live-transcribe",
+    "gpt-realtime",
+    "gpt-realtime-mini",
+    "gpt-realtime-whisper",
+    "gpt-4o-realtime-preview",
+    "gpt-4o-mini-realtime-preview",
+)
 DtypeName = Literal["auto", "float32", "float16", "bfloat16"]  # "auto": float16 on a GPU, float32 on a CPU
 
 
@@ -63,6 +75,12 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     served_model_name: str | None = Field(None, description="model id in the API (default: the model's name)")
     model_aliases: list[str] = Field(default_factory=lambda: ["whisper-1"], description="other accepted model ids")
+    openai_model_names: list[str] = Field(
+        default_factory=lambda: list(OPENAI_MODEL_NAMES),
+        description="OpenAI's transcription and realtime model names that also resolve to the served model, each"
+        " with its dated snapshots (NAME-YYYY-MM-DD): what voice-agent frameworks send on their defaults; [] turns"
+        " this off",
+    )
     max_batch: int = Field(4, ge=1, le=4, description="most requests decoded together")
     max_batch_rows: int = Field(
         10,
@@ -107,7 +125,9 @@ class Settings(BaseSettings):
     api_keys: list[str] = Field(default_factory=list, description="accepted Bearer keys; empty = no auth")
 
     # live transcription (/v1/realtime)
-    realtime_partial_interval_s: float = Field(1.0, gt=0, description="re-transcribe an open utterance this often")
+    realtime_partial_interval_s: float = Field(
+        1.0, gt=0, description="with `include` partials, re-transcribe an open turn this often"
+    )
     realtime_max_utterance_s: float = Field(30.0, gt=1, le=30, description="an utterance is finalized at this length")
     realtime_max_backlog_s: float = Field(120.0, gt=0, description="untranscribed audio a session may hold")
     realtime_max_event_bytes: int = Field(1024 * 1024, ge=1024, description="largest client event accepted")

@@ -50,7 +50,8 @@ def realtime_text(url: str, pcm: np.ndarray) -> str:
 
     pcm24 = (soxr.resample(pcm, 16000, 24000) * 32767).round().clip(-32768, 32767).astype("<i2").tobytes()
     ws_url = url.replace("http://", "ws://") + "/v1/realtime?intent=transcription"
-    with connect(ws_url, open_timeout=30, max_size=None) as ws:
+    beta = {"OpenAI-Beta": "realtime=v1"}  # a beta client says so, and is answered in the beta shapes
+    with connect(ws_url, open_timeout=30, max_size=None, additional_headers=beta) as ws:
         assert json.loads(ws.recv(timeout=30))["type"] == "transcription_session.created"
         update = {"turn_detection": None, "input_audio_transcription": {"model": "whisper-1", "language": "en"}}
         ws.send(json.dumps({"type": "transcription_session.update", "session": update}))

@@ -353,4 +353,4 @@ def test_realtime_websocket_passes_through(make_lb: Callable[..., LoadBalancer])
     lb = make_lb()
     with connect(f"ws://127.0.0.1:{lb.port}/v1/realtime?intent=transcription", open_timeout=20) as ws:
         event = json.loads(ws.recv(timeout=20))
-    assert event["type"] == "transcription_session.created"
+    assert event["type"] == "session.created"

@@ -455,9 +455,10 @@ def frames(draw: st.DrawFn) -> str | bytes:
 
 
 KNOWN_EVENTS = {
-    "transcription_session.created", "transcription_session.updated", "session.updated", "error",
+    "session.created", "transcription_session.created", "transcription_session.updated", "session.updated", "error",
     "input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped", "input_audio_buffer.committed",
     "input_audio_buffer.cleared", "conversation.item.input_audio_transcription.delta",
+    "conversation.item.input_audio_transcription.partial",
     "conversation.item.input_audio_transcription.completed", "conversation.item.input_audio_transcription.failed",
 }  # fmt: skip
 

@@ -13,6 +13,7 @@ import soundfile as sf
 from app.api.audio import AudioError, decode_raw
 from app.api.types import InvalidRequestError
 from app.server.realtime.config import SessionConfig, apply_update
+from app.server.vad import VadParams
 
 
 def ga(inp: dict[str, Any], **session: Any) -> dict[str, Any]:
@@ -75,6 +76,20 @@ def test_noise_reduction_is_validated_and_echoed() -> None:
         ({"type": "realtime", "audio": {}}, "session.type"),
         ({"modalities": ["audio", "text"]}, "session.modalities"),
         ({"include": "logprobs"}, "session.include"),
+        # Turn detection: an unknown type or eagerness is named.
+        ({"turn_detection": {"type": "push_to_talk"}}, "session.turn_detection.type"),
+        ({"turn_detection": {"type": "semantic_vad", "eagerness": "eager"}}, "session.turn_detection.eagerness"),
+        ({"turn_detection": {"type": "semantic_vad", "eagerness": 2}}, "session.turn_detection.eagerness"),
+        (
+            ga({"turn_detection": {"type": "semantic_vad", "silence_duration_ms": 500}}),
+            "session.audio.input.turn_detection.silence_duration_ms",
+        ),
+        (
+            ga({"turn_detection": {"type": "server_vad", "eagerness": "low"}}),
+            "session.audio.input.turn_detection.eagerness",
+        ),
+        (ga({"transcription": {"languages": "en"}}), "session.audio.input.transcription.languages"),
+        (ga({"transcription": {"delay": "instant"}}), "session.audio.input.transcription.delay"),
     ],
 )
 def test_bad_updates_name_the_field(update: dict[str, Any], param: str) -> None:
@@ -92,6 +107,37 @@ def test_include_logprobs() -> None:
     with pytest.raises(InvalidRequestError) as refused:
         apply_update(SessionConfig(), {"include": ["item.input_audio_transcription.words"]})
     assert refused.value.param == "session.include"
+
+
+@pytest.mark.parametrize("eagerness", ["low", "medium", "high", "auto"])
+def test_semantic_vad_in_both_shapes(eagerness: str) -> None:
+    """semantic_vad is accepted with OpenAI's eagerness values (auto by default) and echoed in either shape;
+    switching back to server_vad starts from its defaults."""
+    detection = {"type": "semantic_vad", "eagerness": eagerness}
+    for update in (ga({"turn_detection": detection}), {"turn_detection": detection}):
+        config = apply_update(SessionConfig(), update)
+        assert config.ga("s")["audio"]["input"]["turn_detection"] == detection
+        assert config.beta("s")["turn_detection"] == detection
+    plain = apply_update(SessionConfig(), {"turn_detection": {"type": "semantic_vad", "create_response": True}})
+    assert plain.beta("s")["turn_detection"] == {"type": "semantic_vad", "eagerness": "auto"}
+    back = apply_update(plain, {"turn_detection": {"type": "server_vad"}})
+    assert back.beta("s")["turn_detection"] == {"type": "server_vad", **VadParams().to_dict()}
+
+
+def test_languages_keywords_and_delay_of_newer_models() -> None:
+    """gpt-transcribe's `languages` and `keywords` and gpt-realtime-whisper's `delay` are applied and echoed:
+    one language is the language, several are detected; keywords join the prompt."""
+    config = apply_update(SessionConfig(), ga({"transcription": {
+        "model": "gpt-transcribe", "languages": ["de"], "keywords": ["SpecWhisper", "Silero"], "prompt": "Tech talk.",
+        "delay": "low"}}))  # fmt: skip
+    assert (config.decoding_language, config.decoding_prompt) == ("de", "Tech talk. SpecWhisper, Silero")
+    echoed = config.ga("s")["audio"]["input"]["transcription"]
+    assert (
+        echoed["languages"] == ["de"] and echoed["keywords"] == ["SpecWhisper", "Silero"] and echoed["delay"] == "low"
+    )
+    several = apply_update(config, {"input_audio_transcription": {"languages": ["de", "fr"], "keywords": []}})
+    assert several.decoding_language is None and several.decoding_prompt == "Tech talk."
+    assert apply_update(SessionConfig(), SessionConfig().ga("s"))._transcription() == SessionConfig()._transcription()
 
 
 def test_fields_a_client_echoes_back_are_accepted() -> None:

@@ -55,7 +55,7 @@ def test_keys_required_everywhere_and_never_logged(secured: ServerProcess, bench
     for kwargs in ({"additional_headers": {"Authorization": f"Bearer {KEY}"}},
                    {"subprotocols": ["realtime", f"openai-insecure-api-key.{KEY}"]}):  # fmt: skip
         with connect(ws_url, **kwargs) as ws:  # type: ignore[arg-type]
-            assert json.loads(ws.recv(timeout=30))["type"] == "transcription_session.created"
+            assert json.loads(ws.recv(timeout=30))["type"] == "session.created"
 
     left = [p for p in tmp.iterdir() if not p.name.startswith("torchinductor_")]  # torch's own compile cache
     assert left == [], "uploads left temporary files behind"

@@ -76,11 +76,25 @@ def test_translation_and_assistant_switch(client: OpenAI, benchdata: Path) -> No
     assert plain.model_extra["metrics"]["drafted"] == 0  # type: ignore[index]
 
 
+def test_newer_models_languages_and_keywords(client: OpenAI, benchdata: Path) -> None:
+    """gpt-transcribe's `languages[]` (one: the language) and `keywords[]` (they follow the prompt), as the Agents
+    SDK sends them through the official SDK's `extra_body`, give what `language` and `prompt` give; OpenAI's model
+    names resolve to the served model."""
+    german = (benchdata / "audio/fleurs/fleurs-de-001.wav").read_bytes()
+    hinted = client.audio.transcriptions.create(
+        model="gpt-transcribe", file=("de.wav", german), extra_body={"languages": ["de"], "keywords": ["Berlin"]}
+    )
+    plain = client.audio.transcriptions.create(
+        model="whisper-1", file=("de.wav", german), language="de", prompt="Berlin"
+    )
+    assert hinted.text == plain.text and hinted.text
+
+
 def test_errors_use_openai_shape(server: ServerProcess, jfk: bytes) -> None:
     url = f"{server.url}/v1/audio/transcriptions"
     cases = [
         ({"model": "whisper-9"}, {"file": ("a.wav", jfk)}, 404, "model_not_found"),
-        ({"model": "gpt-4o-transcribe"}, {"file": ("a.wav", jfk)}, 404, "model_not_found"),  # as realtime refuses it
+        ({"model": "gpt-4o-transcribe-diarize"}, {"file": ("a.wav", jfk)}, 404, "model_not_found"),  # names speakers
         ({"model": "whisper-1"}, None, 400, None),
         ({"model": "whisper-1"}, {"file": ("a.wav", b"")}, 400, "empty_file"),
         ({"model": "whisper-1"}, {"file": ("a.wav", b"RIFF....WAVEfmt garbage")}, 400, "invalid_audio"),

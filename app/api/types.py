@@ -7,6 +7,7 @@ worker process holds the models).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -49,6 +50,18 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+def hinted_language(language: str | None, languages: Sequence[str]) -> str | None:
+    """The language Whisper is told, from OpenAI's `language` or the newer models' `languages` (the languages the
+    audio may be in): one is that language; several, or none, leave it to detection."""
+    return language or (languages[0] if len(languages) == 1 else None)
+
+
+def hinted_prompt(prompt: str | None, keywords: Sequence[str]) -> str | None:
+    """Whisper's prompt, from OpenAI's `prompt` and the newer models' `keywords`: the keywords follow the prompt,
+    so that Whisper spells those words as the prompt does."""
+    return " ".join(p for p in (prompt, ", ".join(keywords)) if p) or None
 
 
 @dataclass(frozen=True)

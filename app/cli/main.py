@@ -193,6 +193,8 @@ def _realtime_bench(args: argparse.Namespace) -> int:
         args.clips,
         args.silence_ms,
         args.url,
+        tuple(args.turn_detection.split(",")),
+        args.pause_ms,
     )
     print(json.dumps(report, indent=2))
     if args.json:
@@ -355,6 +357,12 @@ def build_parser() -> argparse.ArgumentParser:
     live.add_argument("--formats", default="pcm16,g711_ulaw", help="input formats (pcm16, g711_ulaw, g711_alaw)")
     live.add_argument("--clips", type=int, default=6, help="English clips (3-15 s) each session streams in turn")
     live.add_argument("--silence-ms", type=int, default=500, help="server VAD silence_duration_ms")
+    live.add_argument(
+        "--turn-detection", default="server_vad", help="server_vad and/or semantic_vad (comma-separated), in turn"
+    )
+    live.add_argument(
+        "--pause-ms", type=int, default=0, help="silence put inside a sentence of each clip (mid-sentence pauses)"
+    )
     live.add_argument("--url", help="a running server (default: start one)")
     live.add_argument("--json", type=Path, help="write the report here")
     live.set_defaults(handler=_realtime_bench)

@@ -225,7 +225,7 @@ class SpeechStream:
         self._pending: int | None = None  # a start not yet long enough to report
         self.speaking = False
         self.paused = False  # speaking, and silent since a pause
-        self._pause_after = min(PAUSE_MS, params.silence_duration_ms // 2) * SAMPLE_RATE // 1000
+        self.pause_after = min(PAUSE_MS, params.silence_duration_ms // 2) * SAMPLE_RATE // 1000
 
     def feed(self, audio: np.ndarray) -> list[VadEvent]:
         data = np.concatenate([self._rest, audio.astype(np.float32, copy=False)])
@@ -248,10 +248,17 @@ class SpeechStream:
             # Silero's iterator marks where the silence began (`temp_end`) until it ends the speech there or hears
             # speech again; the stop it would report is that sample less one frame.
             silent_since = int(getattr(self._iterator, "temp_end", 0) or 0)
-            paused = self.speaking and silent_since > 0 and self._position - silent_since >= self._pause_after
+            paused = self.speaking and silent_since > 0 and self._position - silent_since >= self.pause_after
             if paused and not self.paused:
                 events.append(VadEvent("pause", max(silent_since - WINDOW, 0)))
             elif self.paused and not paused and self.speaking:
                 events.append(VadEvent("resume", self._position))
             self.paused = paused
         return events
+
+    def end_turn(self) -> None:
+        """The caller ended the turn during a pause (before `silence_duration_ms`): the silence goes on as no
+        speech, and the next speech is a new start."""
+        self._iterator.triggered = False
+        self._iterator.temp_end = 0
+        self._pending, self.speaking, self.paused = None, False, False

@@ -8,7 +8,15 @@ one clip's period (as independent callers would; started together, every utteran
 moment and the finals would come as one burst). Per clip it records, against the
 moment the clip's last sample was sent (the end of speech as the speaker sees it): when `speech_stopped`
 arrived, when the last `...transcription.completed` of the clip's speech arrived; and, from its first sample,
-when its first `...transcription.delta` arrived. It reports p50/p95 of each and the WER of the finals.
+when its first text arrived (a `...transcription.partial`, which the sessions ask for, or a delta). It
+reports p50/p95 of each (and of `completed` on clips whose reference ends a sentence), the WER of the finals,
+how often a clip's speech was cut into more than one turn, and how many clips' finals lost the last word an
+upload of the same audio has.
+
+`--turn-detection server_vad,semantic_vad` runs each level with both, in turn; `--pause-ms 800` puts that much
+silence inside a sentence of every clip (between the two words nearest its middle that no punctuation separates,
+found from an upload's word timestamps): what a speaker who stops to think does, and what semantic VAD should
+wait through.
 """
 
 from __future__ import annotations
@@ -24,12 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import soundfile as sf
 import soxr
 
 from app.api.audio import SAMPLE_RATE, load_audio
-from app.tools.bench import error_rate
+from app.tools.bench import error_rate, normalize
 from app.tools.manifest import ManifestClip, read_manifest
 from app.tools.process import ServerProcess
 
@@ -66,7 +75,7 @@ async def realtime_session(
     url: str,
     clips: list[tuple[np.ndarray, str]],
     audio_format: str,
-    silence_ms: int,
+    turn_detection: dict[str, Any],
     delay: float = 0.0,
     step_s: float = STEP_S,
 ) -> list[ClipRun]:
@@ -82,8 +91,8 @@ async def realtime_session(
         url.replace("http://", "ws://") + "/v1/realtime?intent=transcription", max_size=None
     ) as ws:
         await ws.recv()
-        vad = {"type": "server_vad", "silence_duration_ms": silence_ms}
-        update = {"input_audio_format": audio_format, "turn_detection": vad,
+        update = {"input_audio_format": audio_format, "turn_detection": turn_detection,
+                  "include": ["item.input_audio_transcription.partials"],
                   "input_audio_transcription": {"model": "whisper-1", "language": "en"}}  # fmt: skip
         await ws.send(json.dumps({"type": "transcription_session.update", "session": update}))
         while json.loads(await ws.recv())["type"] != "transcription_session.updated":
@@ -106,7 +115,7 @@ async def realtime_session(
                     continue
                 if kind == "input_audio_buffer.speech_stopped":
                     run.stopped = now
-                elif kind.endswith("transcription.delta") and run.first_delta is None:
+                elif kind.endswith(("transcription.partial", "transcription.delta")) and run.first_delta is None:
                     run.first_delta = now
                 elif kind.endswith("transcription.completed"):
                     run.completed = now
@@ -181,35 +190,125 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     return {"p50": round(statistics.median(values), 3), "p95": round(p95, 3), "n": len(values)}
 
 
-async def _level(
-    url: str, clips: list[tuple[np.ndarray, str]], sessions: int, fmt: str, silence_ms: int
-) -> dict[str, Any]:
-    period = LEAD_S + TAIL_S + statistics.mean(a.size for a, _ in clips) / SAMPLE_RATE
+def turn_detection(kind: str, silence_ms: int) -> dict[str, Any]:
+    """A session's `turn_detection`: `server_vad` at `silence_ms`, or `semantic_vad` (eagerness auto)."""
+    return {"type": "server_vad", "silence_duration_ms": silence_ms} if kind == "server_vad" else {"type": kind}
+
+
+@dataclass(frozen=True)
+class LiveClip:
+    """A clip as sessions stream it (a pause may have been put inside one of its sentences), with what an upload
+    of that audio gives (the words each turn's finals should have, the last one included)."""
+
+    audio: np.ndarray
+    reference: str
+    uploaded: str
+
+    @property
+    def sentence_final(self) -> bool:
+        return self.reference.rstrip().endswith((".", "!", "?"))
+
+
+def _words(text: str) -> list[str]:
+    return normalize(text).split()
+
+
+def with_pause(url: str, audio: np.ndarray, pause_ms: int) -> np.ndarray:
+    """`audio` with `pause_ms` of silence between the two words nearest its middle that no punctuation separates
+    (a speaker who stops mid-sentence), found from an upload's word timestamps; unchanged if none."""
+    if pause_ms <= 0:
+        return audio
+    answer = _upload(url, audio, {"response_format": "verbose_json", "timestamp_granularities[]": "word"})
+    words, spelled = answer.get("words") or [], answer["text"].split()
+    if len(words) < 4 or len(words) != len(spelled):
+        return audio
+    middle = sorted(range(1, len(words) - 2), key=lambda k: abs(k - len(words) / 2))
+    k = next((k for k in middle if not spelled[k].endswith((",", ".", ";", ":", "!", "?"))), None)
+    if k is None:
+        return audio
+    cut = int((words[k]["end"] + words[k + 1]["start"]) / 2 * SAMPLE_RATE)
+    return np.concatenate([audio[:cut], np.zeros(pause_ms * SAMPLE_RATE // 1000, np.float32), audio[cut:]])
+
+
+def _upload(url: str, audio: np.ndarray, fields: dict[str, str] | None = None) -> dict[str, Any]:
+    out = io.BytesIO()
+    sf.write(out, audio, SAMPLE_RATE, format="WAV", subtype="PCM_16")
+    response = httpx.post(
+        f"{url}/v1/audio/transcriptions",
+        data={"model": "whisper-1", "language": "en", **(fields or {})},
+        files={"file": ("clip.wav", out.getvalue())},
+        timeout=300,
+    )
+    response.raise_for_status()
+    return dict(response.json())
+
+
+def prepare(url: str, clips: list[tuple[np.ndarray, str]], pause_ms: int) -> list[LiveClip]:
+    prepared = []
+    for audio, reference in clips:
+        audio = with_pause(url, audio, pause_ms)
+        prepared.append(LiveClip(audio, reference, _upload(url, audio)["text"]))
+    return prepared
+
+
+def lost_last_word(clip: LiveClip, run: ClipRun) -> bool:
+    """Whether the finals of the clip's turns end before the words an upload of the same audio ends with."""
+    heard, uploaded = _words(" ".join(run.texts)), _words(clip.uploaded)
+    return bool(uploaded) and heard[-1:] != uploaded[-1:]
+
+
+async def _level(url: str, clips: list[LiveClip], sessions: int, fmt: str, detection: dict[str, Any]) -> dict[str, Any]:
+    period = LEAD_S + TAIL_S + statistics.mean(c.audio.size for c in clips) / SAMPLE_RATE
+    streamed = [(c.audio, c.reference) for c in clips]
     results = await asyncio.gather(
-        *(realtime_session(url, clips, fmt, silence_ms, delay=i * period / sessions) for i in range(sessions))
+        *(realtime_session(url, streamed, fmt, detection, delay=i * period / sessions) for i in range(sessions))
     )
     runs = [r for session in results for r in session]
+    pairs = [(c, r) for session in results for c, r in zip(clips, session, strict=True)]
+    final_turns = [r for c, r in pairs if c.sentence_final]
     return {
         "sessions": sessions,
         "format": fmt,
+        "turn_detection": detection["type"],
         "speech_end_to_speech_stopped_s": percentiles([r.stopped - r.speech_end for r in runs if r.stopped]),
         "speech_end_to_completed_s": percentiles([r.completed - r.speech_end for r in runs if r.completed]),
+        "sentence_final_speech_end_to_completed_s": percentiles(
+            [r.completed - r.speech_end for r in final_turns if r.completed]
+        ),
         "speech_start_to_first_delta_s": percentiles([r.first_delta - r.speech_start for r in runs if r.first_delta]),
         "missing_finals": sum(r.completed is None for r in runs),
+        "turns_cut_within_clips": sum(max(0, len(r.texts) - 1) for r in runs),
+        "clips_losing_last_word": sum(lost_last_word(c, r) for c, r in pairs),
         "wer": round(error_rate([(r.reference, " ".join(r.texts), "en") for r in runs]), 4),
     }
 
 
 def run_realtime_bench(
-    manifest: Path, sessions: list[int], formats: list[str], n_clips: int, silence_ms: int, url: str | None
+    manifest: Path,
+    sessions: list[int],
+    formats: list[str],
+    n_clips: int,
+    silence_ms: int,
+    url: str | None,
+    turn_detections: tuple[str, ...] = ("server_vad",),
+    pause_ms: int = 0,
 ) -> dict[str, Any]:
-    clips = [(load_audio(c.audio), c.text) for c in english_clips(manifest, n_clips)]
+    """Each session count, format and turn detection in turn (`semantic_vad` at eagerness auto), over the clips,
+    each with a `pause_ms` silence put inside one of its sentences (0: none)."""
+    raw = [(load_audio(c.audio), c.text) for c in english_clips(manifest, n_clips)]
     server = None if url else ServerProcess().start()
     base = url or (server.url if server else "")
     try:
-        asyncio.run(_level(base, clips[:1], 1, formats[0], silence_ms))  # warm-up: first calls pay one-off costs
-        levels = [asyncio.run(_level(base, clips, n, fmt, silence_ms)) for n in sessions for fmt in formats]
-        return {"silence_duration_ms": silence_ms, "clips": len(clips), "levels": levels}
+        clips = prepare(base, raw, pause_ms)
+        warm = turn_detection("server_vad", silence_ms)
+        asyncio.run(_level(base, clips[:1], 1, formats[0], warm))  # warm-up: first calls pay one-off costs
+        levels = [
+            asyncio.run(_level(base, clips, n, fmt, turn_detection(kind, silence_ms)))
+            for n in sessions
+            for fmt in formats
+            for kind in turn_detections
+        ]
+        return {"silence_duration_ms": silence_ms, "pause_ms": pause_ms, "clips": len(clips), "levels": levels}
     finally:
         if server is not None:
             server.stop()

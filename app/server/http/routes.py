@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from app.api import errors
+from app.api.types import hinted_language, hinted_prompt
 from app.server.http.forms import object_field, refuse_unknown, text_fields
 from app.server.http.limits import unless_disconnected
 from app.server.serving.service import LONG_FORM_FIELDS, TranscriptionRequest, TranscriptionService
@@ -23,7 +24,9 @@ CREATED = int(time.time())
 TRANSLATION_FIELDS = frozenset(
     {"file", "model", "prompt", "response_format", "temperature", "speculative", "chunking_strategy", *LONG_FORM_FIELDS}
 )
-TRANSCRIPTION_FIELDS = TRANSLATION_FIELDS | {"language", "timestamp_granularities[]", "stream", "include[]"}
+TRANSCRIPTION_FIELDS = TRANSLATION_FIELDS | {
+    "language", "timestamp_granularities[]", "stream", "include[]", "languages[]", "keywords[]"
+}  # fmt: skip
 OBJECT_FIELDS = frozenset({"chunking_strategy"})
 
 
@@ -104,14 +107,16 @@ async def transcriptions(
     speculative: Annotated[bool, Form()] = True,
     stream: Annotated[bool, Form()] = False,
     include: Annotated[list[str] | None, Form(alias="include[]")] = None,
+    languages: Annotated[list[str] | None, Form(alias="languages[]")] = None,  # gpt-transcribe's
+    keywords: Annotated[list[str] | None, Form(alias="keywords[]")] = None,
 ) -> Response:
     return await _transcription(
         request,
         "transcribe",
         file,
         model,
-        language,
-        prompt,
+        hinted_language(language, languages or ()),
+        hinted_prompt(prompt, keywords or ()),
         response_format,
         temperature,
         timestamp_granularities,
@@ -138,14 +143,14 @@ async def translations(
 
 @router.get("/v1/models")
 async def models(request: Request) -> JSONResponse:
-    ids = _service(request).model_ids
+    ids = _service(request).models.ids
     data = [{"id": i, "object": "model", "created": CREATED, "owned_by": "specwhisper"} for i in ids]
     return JSONResponse({"object": "list", "data": data})
 
 
 @router.get("/v1/models/{model_id}")
 async def model(request: Request, model_id: str) -> JSONResponse:
-    if model_id not in _service(request).model_ids:
+    if not _service(request).models.accepts(model_id):
         raise errors.model_not_found(model_id)
     return JSONResponse({"id": model_id, "object": "model", "created": CREATED, "owned_by": "specwhisper"})
 

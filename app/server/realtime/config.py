@@ -2,8 +2,9 @@
 
 Beta (`transcription_session.update`):
     {"input_audio_format": "pcm16" | "g711_ulaw" | "g711_alaw",
-     "input_audio_transcription": {"model", "language", "prompt"},
-     "turn_detection": {"type": "server_vad", "threshold", "prefix_padding_ms", "silence_duration_ms"} | null,
+     "input_audio_transcription": {"model", "language", "prompt", "languages", "keywords", "delay"},
+     "turn_detection": {"type": "server_vad", "threshold", "prefix_padding_ms", "silence_duration_ms"}
+                     | {"type": "semantic_vad", "eagerness": "low" | "medium" | "high" | "auto"} | null,
      "input_audio_noise_reduction": {"type": "near_field" | "far_field"} | null}
 GA (`session.update`, `"type": "transcription"`):
     {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000} | {"type": "audio/pcmu" | "audio/pcma"},
@@ -19,14 +20,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from app.api.audio import G711_RATE
-from app.api.types import InvalidRequestError
-from app.server.vad import VadParams, server_vad
+from app.api.types import InvalidRequestError, hinted_language, hinted_prompt
+from app.server.realtime.turns import TurnDetection, describe, turn_detection
+from app.server.vad import VadParams
 
 SAMPLE_RATES = (16000, 24000)
 FORMATS = ("pcm16", "g711_ulaw", "g711_alaw")  # the beta names; the GA ones below
 GA_FORMATS = {"audio/pcm": "pcm16", "audio/pcmu": "g711_ulaw", "audio/pcma": "g711_alaw"}
+DELAYS = ("minimal", "low", "medium", "high", "xhigh")
 NOISE_REDUCTION = ("near_field", "far_field")
-LOGPROBS = "item.input_audio_transcription.logprobs"  # the one `include` value: completed events carry them
+LOGPROBS = "item.input_audio_transcription.logprobs"  # deltas and completed events carry the tokens' logprobs
+PARTIALS = "item.input_audio_transcription.partials"  # ours: hypotheses of the open turn (`partials.py`)
 # Fields a client may send back as it received them (the session's own): accepted, and ignored.
 ECHOED = frozenset({"id", "object", "expires_at"})
 BETA_FIELDS = frozenset(
@@ -41,25 +45,41 @@ class SessionConfig:
     model: str = "whisper-1"
     language: str | None = None
     prompt: str | None = None
+    languages: tuple[str, ...] = ()  # gpt-transcribe's expected languages: one is the language, more are detected
+    keywords: tuple[str, ...] = ()  # words to spell as given: they join the prompt
+    delay: str | None = None  # gpt-realtime-whisper's latency knob: accepted and echoed (turns end by the VAD)
     audio_format: str = "pcm16"  # one of FORMATS
     sample_rate: int = 24000  # pcm16's; G.711 is always 8 kHz
-    vad: VadParams | None = field(default_factory=VadParams)  # None: the client commits turns itself
+    turn_detection: TurnDetection | None = field(default_factory=VadParams)  # None: the client commits turns
     noise_reduction: str | None = None  # accepted and echoed; no suppressor runs (measured: docs/performance.md)
     logprobs: bool = False  # `include`s LOGPROBS
+    partials: bool = False  # `include`s PARTIALS
 
     @property
     def rate(self) -> int:
         """The input audio's sample rate."""
         return self.sample_rate if self.audio_format == "pcm16" else G711_RATE
 
+    @property
+    def decoding_language(self) -> str | None:
+        """The language Whisper is told (None: it detects it)."""
+        return hinted_language(self.language, self.languages)
+
+    @property
+    def decoding_prompt(self) -> str | None:
+        """Whisper's prompt: the client's, then its keywords."""
+        return hinted_prompt(self.prompt, self.keywords)
+
     def _transcription(self) -> dict[str, Any]:
-        return {"model": self.model, "language": self.language, "prompt": self.prompt}
+        out: dict[str, Any] = {"model": self.model, "language": self.language, "prompt": self.prompt}
+        optional = {"languages": list(self.languages), "keywords": list(self.keywords), "delay": self.delay}
+        return out | {k: v for k, v in optional.items() if v}
 
     def _noise(self) -> dict[str, Any] | None:
         return None if self.noise_reduction is None else {"type": self.noise_reduction}
 
     def _include(self) -> list[str]:
-        return [LOGPROBS] if self.logprobs else []
+        return [name for name, on in ((LOGPROBS, self.logprobs), (PARTIALS, self.partials)) if on]
 
     def beta(self, session_id: str) -> dict[str, Any]:
         return {
@@ -68,7 +88,7 @@ class SessionConfig:
             "input_audio_format": self.audio_format,
             "input_audio_sample_rate": self.rate,
             "input_audio_transcription": self._transcription(),
-            "turn_detection": _vad_out(self.vad),
+            "turn_detection": describe(self.turn_detection),
             "input_audio_noise_reduction": self._noise(),
             "include": self._include(),
         }
@@ -84,16 +104,12 @@ class SessionConfig:
                 "input": {
                     "format": fmt,
                     "transcription": self._transcription(),
-                    "turn_detection": _vad_out(self.vad),
+                    "turn_detection": describe(self.turn_detection),
                     "noise_reduction": self._noise(),
                 }
             },
             "include": self._include(),
         }
-
-
-def _vad_out(vad: VadParams | None) -> dict[str, Any] | None:
-    return None if vad is None else {"type": "server_vad", **vad.to_dict()}
 
 
 def _obj(value: Any, param: str, known: frozenset[str] | None = None) -> dict[str, Any]:
@@ -109,15 +125,24 @@ def _obj(value: Any, param: str, known: frozenset[str] | None = None) -> dict[st
 def _transcription(config: SessionConfig, raw: Any, param: str) -> SessionConfig:
     if raw is None:
         return config
-    raw = _obj(raw, param, frozenset({"model", "language", "prompt"}))
-    for key in ("model", "language", "prompt"):
+    raw = _obj(raw, param, frozenset({"model", "language", "prompt", "languages", "keywords", "delay"}))
+    for key in ("model", "language", "prompt", "delay"):
         if key in raw and raw[key] is not None and not isinstance(raw[key], str):
             raise InvalidRequestError(f"{param}.{key} must be a string", f"{param}.{key}")
+    for key in ("languages", "keywords"):
+        value = raw.get(key)
+        if value is not None and (not isinstance(value, list) or not all(isinstance(x, str) for x in value)):
+            raise InvalidRequestError(f"{param}.{key} must be a list of strings", f"{param}.{key}")
+    if raw.get("delay") is not None and raw["delay"] not in DELAYS:
+        raise InvalidRequestError(f"{param}.delay must be one of {', '.join(DELAYS)}", f"{param}.delay")
     return replace(
         config,
         model=raw.get("model") or config.model,
         language=raw.get("language", config.language) or None,
         prompt=raw.get("prompt", config.prompt) or None,
+        languages=tuple(raw.get("languages", config.languages) or ()),
+        keywords=tuple(raw.get("keywords", config.keywords) or ()),
+        delay=raw.get("delay", config.delay) or None,
     )
 
 
@@ -132,13 +157,15 @@ def _noise_reduction(config: SessionConfig, raw: Any, param: str) -> SessionConf
 
 def _include(config: SessionConfig, raw: Any, param: str) -> SessionConfig:
     if raw is None:
-        return replace(config, logprobs=False)
+        return replace(config, logprobs=False, partials=False)
     if not isinstance(raw, list) or not all(isinstance(x, str) for x in raw):
         raise InvalidRequestError(f"{param} must be a list of strings", param)
     for value in raw:
-        if value != LOGPROBS:
-            raise InvalidRequestError(f"{param}: {value[:64]!r} is not supported; only {LOGPROBS!r}", param)
-    return replace(config, logprobs=bool(raw))
+        if value not in (LOGPROBS, PARTIALS):
+            raise InvalidRequestError(
+                f"{param}: {value[:64]!r} is not supported; only {LOGPROBS!r}, {PARTIALS!r}", param
+            )
+    return replace(config, logprobs=LOGPROBS in raw, partials=PARTIALS in raw)
 
 
 def apply_update(config: SessionConfig, session: Any) -> SessionConfig:
@@ -162,7 +189,8 @@ def apply_update(config: SessionConfig, session: Any) -> SessionConfig:
             config = _rate(config, session["input_audio_sample_rate"], "session.input_audio_sample_rate")
     config = _transcription(config, session.get("input_audio_transcription"), "session.input_audio_transcription")
     if "turn_detection" in session:
-        config = replace(config, vad=server_vad(session["turn_detection"], "session.turn_detection", config.vad))
+        detection = turn_detection(session["turn_detection"], "session.turn_detection", config.turn_detection)
+        config = replace(config, turn_detection=detection)
     if "input_audio_noise_reduction" in session:
         config = _noise_reduction(config, session["input_audio_noise_reduction"], "session.input_audio_noise_reduction")
     if "include" in session:
@@ -199,9 +227,8 @@ def _apply_ga(config: SessionConfig, session: dict[str, Any]) -> SessionConfig:
             raise InvalidRequestError("G.711 audio is 8000 Hz", "session.audio.input.format.rate")
     config = _transcription(config, inp.get("transcription"), "session.audio.input.transcription")
     if "turn_detection" in inp:
-        config = replace(
-            config, vad=server_vad(inp["turn_detection"], "session.audio.input.turn_detection", config.vad)
-        )
+        param = "session.audio.input.turn_detection"
+        config = replace(config, turn_detection=turn_detection(inp["turn_detection"], param, config.turn_detection))
     if "noise_reduction" in inp:
         config = _noise_reduction(config, inp["noise_reduction"], "session.audio.input.noise_reduction")
     return config

@@ -26,6 +26,11 @@ def _subprotocol(offered: list[str]) -> str | None:
     return next((p for p in offered if not p.startswith(KEY_SUBPROTOCOL)), None)
 
 
+def _beta(header: str | None) -> bool:
+    """Whether the client asked for the beta protocol (`OpenAI-Beta: realtime=v1`)."""
+    return header is not None and "realtime=v1" in header.replace(" ", "").split(",")
+
+
 async def _refuse(ws: WebSocket, subprotocol: str | None, code: str, message: str, close_code: int) -> None:
     await ws.accept(subprotocol=subprotocol)
     error = {"type": "invalid_request_error", "code": code, "message": message, "param": None, "event_id": None}
@@ -80,7 +85,7 @@ async def realtime(ws: WebSocket) -> None:
     try:
         with service.live_session():  # raises TooManySessions on entry only
             await ws.accept(subprotocol=subprotocol)
-            await _serve(ws, RealtimeSession(service, settings))
+            await _serve(ws, RealtimeSession(service, settings, beta=_beta(ws.headers.get("openai-beta"))))
     except TooManySessions:
         await _refuse(ws, subprotocol, "too_many_sessions", "Too many live sessions; retry later.", 1013)
 

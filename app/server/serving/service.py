@@ -24,6 +24,7 @@ from app.api.formats import FORMATS, to_srt, to_verbose_json, to_vtt
 from app.api.types import FALLBACK_TEMPERATURES, DecodingOptions, InvalidRequestError, Segment, Transcription
 from app.server.metrics import ServerMetrics
 from app.server.serving.chunking import CHUNK_SECONDS, Chunk, merge, normalized, plan
+from app.server.serving.models import ModelNames
 from app.server.vad import SileroVad, VadParams, server_vad
 from app.server.worker.client import (
     EngineClient,
@@ -167,15 +168,12 @@ class TranscriptionService:
         self.engine = engine
         self.metrics = metrics
         self.vad = vad
-        self.model_id = settings.served_model_name or settings.model.rstrip("/").split("/")[-1]
+        self.models = ModelNames(settings)
+        self.model_id = self.models.served
         self.live_sessions = 0
 
-    @property
-    def model_ids(self) -> list[str]:
-        return [self.model_id, *[a for a in self.settings.model_aliases if a != self.model_id]]
-
     def _options(self, req: TranscriptionRequest) -> DecodingOptions:
-        self._check_model(req.model)
+        self.models.check(req.model)
         if req.response_format not in FORMATS:
             raise errors.bad_request(f"response_format must be one of {', '.join(FORMATS)}", param="response_format")
         granularities = set(req.timestamp_granularities)
@@ -240,10 +238,6 @@ class TranscriptionService:
         assert params is not None
         return Chunking(params, normalize=False)
 
-    def _check_model(self, model: str) -> None:
-        if model not in self.model_ids:
-            raise errors.model_not_found(model)
-
     def _decoding_options(
         self,
         task: str,
@@ -289,7 +283,7 @@ class TranscriptionService:
     # -- live (realtime) transcription -------------------------------------------------------------
     def live_options(self, model: str, language: str | None, prompt: str | None) -> DecodingOptions:
         """Options of a live transcription: greedy, no timestamps; ApiError if they are invalid."""
-        self._check_model(model)
+        self.models.check(model)
         return self._decoding_options("transcribe", language, prompt)
 
     @contextmanager

@@ -1,4 +1,5 @@
-"""Each peer in its own virtual environment, never the project's, with the same Whisper weights.
+"""Each peer, and each voice-agent framework the tests drive, in its own virtual environment, never the project's;
+the peers with the same Whisper weights.
 
 A peer's environment is made once under the peers folder (`<root>/<name>/venv`) and kept while its
 recipe is unchanged (a stamp holds the recipe). The weights are the CTranslate2 files the embedded model
@@ -60,6 +61,19 @@ RECIPES: dict[str, Recipe] = {
     "faster-whisper-server": Recipe(
         packages=("faster-whisper-server==0.0.3", "requests"),
         note="faster-whisper-server 0.0.3 with its declared dependencies, and requests (faster-whisper imports it)",
+    ),
+    # Voice-agent frameworks, clients of this server (tests/test_frameworks.py): each as its users install it.
+    "livekit": Recipe(
+        packages=("livekit-agents==1.8.9", "livekit-plugins-openai==1.8.9"),
+        note="livekit-agents and livekit-plugins-openai 1.8.9 with their dependencies",
+    ),
+    "pipecat": Recipe(
+        packages=("pipecat-ai[openai]==1.14.0",),
+        note="pipecat-ai[openai] 1.14.0 with its dependencies (its Silero VAD model ships in the package)",
+    ),
+    "openai-agents": Recipe(
+        packages=("openai-agents[voice]==0.24.0",),
+        note="openai-agents[voice] 0.24.0 with its dependencies",
     ),
 }
 

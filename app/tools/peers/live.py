@@ -34,7 +34,8 @@ Clips = list[tuple[np.ndarray, str]]
 
 async def openai_realtime(url: str, clips: Clips, delay: float, step_s: float, silence_ms: int) -> list[ClipRun]:
     """SpecWhisper's `/v1/realtime` (the beta transcription session, pcm16 at 24 kHz, server VAD)."""
-    return await realtime_session(url, clips, "pcm16", silence_ms, delay=delay, step_s=step_s)
+    vad = {"type": "server_vad", "silence_duration_ms": silence_ms}
+    return await realtime_session(url, clips, "pcm16", vad, delay=delay, step_s=step_s)
 
 
 async def whisperlive(url: str, clips: Clips, delay: float, step_s: float, language: str = "en") -> list[ClipRun]:

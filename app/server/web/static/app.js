@@ -183,13 +183,11 @@ function onServerEvent(event) {
       $("vad").textContent = "listening";
       $("vad").classList.remove("speaking");
       break;
-    case "conversation.item.input_audio_transcription.delta":
-      if (partial.dataset.item !== event.item_id) {
-        partial.dataset.item = event.item_id;
-        partial.textContent = "";
-      }
-      partial.textContent += event.delta;
-      partial.dataset.deltas = String(Number(partial.dataset.deltas) + 1);
+    case "conversation.item.input_audio_transcription.partial":
+      // A hypothesis of the turn still spoken: each replaces the one before; `completed` replaces them all.
+      partial.dataset.item = event.item_id;
+      partial.textContent = event.transcript;
+      partial.dataset.partials = String(Number(partial.dataset.partials) + 1);
       break;
     case "conversation.item.input_audio_transcription.completed": {
       const item = utteranceItem(event.item_id);
@@ -246,6 +244,7 @@ async function startLive() {
         input_audio_format: "pcm16",
         input_audio_transcription: { model: "whisper-1", language },
         turn_detection: { type: "server_vad", silence_duration_ms: 500 },
+        include: ["item.input_audio_transcription.partials"],
       },
     }));
     $("vad").textContent = "listening";
