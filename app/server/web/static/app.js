@@ -211,6 +211,25 @@ function onServerEvent(event) {
   }
 }
 
+function configureLive(ws) {
+  const language = $("live-language").value || null;
+  ws.send(JSON.stringify({
+    type: "session.update",
+    session: {
+      type: "transcription",
+      audio: {
+        input: {
+          format: { type: "audio/pcm", rate: SAMPLE_RATE },
+          transcription: { model: "whisper-1", language },
+          turn_detection: { type: "server_vad", silence_duration_ms: 500 },
+        },
+      },
+      include: ["item.input_audio_transcription.partials"],
+    },
+  }));
+  $("vad").textContent = "listening";
+}
+
 async function startLive() {
   showError("");
   let stream;
@@ -224,6 +243,15 @@ async function startLive() {
   const protocols = ["realtime"];
   if (apiKey()) protocols.push(`openai-insecure-api-key.${apiKey()}`);
   const ws = new WebSocket(`${scheme}://${location.host}/v1/realtime?intent=transcription`, protocols);
+  // Handlers before anything awaits (the socket may open meanwhile); the session is configured once it exists.
+  ws.onmessage = (e) => {
+    const event = JSON.parse(e.data);
+    if (event.type === "session.created") configureLive(ws);
+    onServerEvent(event);
+  };
+  ws.onclose = (e) => {
+    if (live && live.ws === ws) stopLive(e.code !== 1000 && e.code !== 1005 ? `connection closed (${e.code})` : "");
+  };
   const context = new AudioContext({ sampleRate: SAMPLE_RATE });
   await context.audioWorklet.addModule("/static/pcm-worklet.js");
   const source = context.createMediaStreamSource(stream);
@@ -236,23 +264,6 @@ async function startLive() {
     const pcm = toPcm16(pending.splice(0));
     ws.send(JSON.stringify({ type: "input_audio_buffer.append", audio: base64(pcm) }));
   }, SEND_EVERY_MS);
-  ws.onopen = () => {
-    const language = $("live-language").value || null;
-    ws.send(JSON.stringify({
-      type: "transcription_session.update",
-      session: {
-        input_audio_format: "pcm16",
-        input_audio_transcription: { model: "whisper-1", language },
-        turn_detection: { type: "server_vad", silence_duration_ms: 500 },
-        include: ["item.input_audio_transcription.partials"],
-      },
-    }));
-    $("vad").textContent = "listening";
-  };
-  ws.onmessage = (e) => onServerEvent(JSON.parse(e.data));
-  ws.onclose = (e) => {
-    if (live && live.ws === ws) stopLive(e.code !== 1000 && e.code !== 1005 ? `connection closed (${e.code})` : "");
-  };
   live = { ws, stream, context, timer };
   $("live-button").textContent = "Stop recording";
   $("live-button").setAttribute("aria-pressed", "true");
