@@ -11,7 +11,7 @@ from app.api import errors
 from app.api.audio import load_audio
 from app.server.realtime.turns import SemanticVad, Turn, TurnFollower, reading
 from app.server.serving.models import ModelNames
-from app.server.vad import SileroVad
+from app.server.vad import SileroVad, VadParams
 from app.settings import Settings
 
 
@@ -82,3 +82,13 @@ def test_semantic_turns_follow_the_words_even_when_they_come_late(benchdata: Pat
     assert last and follower.paused_at == last[0].sample
     stop = follower.read(last[0].sample, "has never been surpassed.")
     assert stop == Turn("stop", last[0].sample, audio.size + tail.size) and not follower.speaking
+
+
+def test_a_follower_begun_later_counts_from_the_sessions_start(benchdata: Path) -> None:
+    """Turn detection changed mid-session follows the stream from there on, in the session's sample positions."""
+    speech = load_audio(benchdata / "audio" / "ljspeech" / "LJ001-0002.wav")
+    audio = np.concatenate([np.zeros(8000, np.float32), speech, np.zeros(16000, np.float32)])
+    first = [t for t in TurnFollower(SileroVad(), VadParams()).feed(audio)]
+    later = [t for t in TurnFollower(SileroVad(), VadParams(), at=48000).feed(audio)]
+    assert [t.kind for t in first] == [t.kind for t in later] and "stop" in [t.kind for t in first]
+    assert [(t.sample + 48000, t.end + 48000 if t.end else 0) for t in first] == [(t.sample, t.end) for t in later]

@@ -76,7 +76,7 @@ class RealtimeSession:
 
     def _follower(self) -> TurnFollower | None:
         detection = self.config.turn_detection
-        return TurnFollower(self.service.vad, detection) if detection is not None else None
+        return TurnFollower(self.service.vad, detection, self.buffer.end) if detection is not None else None
 
     # -- outbound ------------------------------------------------------------------------------------
     def emit(self, event: dict[str, Any]) -> None:

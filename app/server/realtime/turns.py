@@ -24,7 +24,7 @@ import numpy as np
 
 from app.api.audio import SAMPLE_RATE
 from app.api.types import InvalidRequestError
-from app.server.vad import IGNORED, WINDOW, SileroVad, SpeechStream, VadParams, server_vad
+from app.server.vad import IGNORED, WINDOW, SileroVad, SpeechStream, VadEvent, VadParams, server_vad
 
 EAGERNESS_BOUND_MS = {"low": 8000, "medium": 4000, "high": 2000, "auto": 4000}
 Reading = Literal["finished", "unsure", "continues"]
@@ -149,11 +149,14 @@ class Turn:
 class TurnFollower:
     """One session's turn detection over its 16-kHz stream (server or semantic VAD)."""
 
-    def __init__(self, vad: SileroVad, detection: TurnDetection) -> None:
+    def __init__(self, vad: SileroVad, detection: TurnDetection, at: int = 0) -> None:
+        """Turn detection from sample `at` of the session's stream on (the samples it reports count from the
+        session's start)."""
         self.detection = detection
         self.params = detection.vad if isinstance(detection, SemanticVad) else detection
         self._stream: SpeechStream = vad.stream(self.params)
-        self._heard = 0  # samples fed
+        self._at = at
+        self._heard = at  # the session's samples fed so far
         self._pause: int | None = None  # the open pause's speech end
         self._end_at: int | None = None  # semantic VAD: the sample at which the paused turn ends
         self._resumed: dict[int, int] = {}  # the open turn's pauses the speech went on from: speech end -> resumed
@@ -181,7 +184,8 @@ class TurnFollower:
     def feed(self, samples: np.ndarray) -> Iterator[Turn]:
         """The decisions `samples` lead to, in order."""
         self._heard += samples.size
-        for event in self._stream.feed(samples):
+        for heard in self._stream.feed(samples):
+            event = VadEvent(heard.kind, heard.sample + self._at)
             if event.kind == "stop":
                 yield self._stop(event.sample, forced=False)
             elif event.kind == "pause":
