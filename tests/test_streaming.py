@@ -395,8 +395,10 @@ def test_realtime_bad_events_get_errors_and_others_keep_working(server: ServerPr
             "session": {"input_audio_transcription": {"model": "gpt-4o-transcribe-diarize"}},  # names speakers
         }
     )
+    bad.send({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
+        "turn_detection": {"type": "semantic_vad", "eagerness": "eager"}}}}})  # fmt: skip
     bad.send({"type": "no.such.event", "event_id": {"not": "a string"}})
-    errors = bad.wait_for("error", count=8)
+    errors = bad.wait_for("error", count=9)
     codes = [e["error"]["code"] for e in errors]
     assert codes == [
         "invalid_json",
@@ -406,14 +408,16 @@ def test_realtime_bad_events_get_errors_and_others_keep_working(server: ServerPr
         "input_audio_buffer_commit_empty",
         "invalid_value",
         "model_not_found",
+        "invalid_value",
         "invalid_event",
     ]
-    assert errors[1]["error"]["event_id"] == "evt_1" and errors[7]["error"]["event_id"] is None
+    assert errors[7]["error"]["param"] == "session.audio.input.turn_detection.eagerness"
+    assert errors[1]["error"]["event_id"] == "evt_1" and errors[8]["error"]["event_id"] is None
     good = live(server)  # a second session works while the first misbehaves
     good.send({"type": "transcription_session.update", "session": {"input_audio_sample_rate": 16000,
                                                                   "turn_detection": None}})  # fmt: skip
     bad.ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": "A" * 300_000}))  # over the event limit
-    assert bad.wait_for("error", count=9)[-1]["error"]["code"] == "event_too_large"
+    assert bad.wait_for("error", count=10)[-1]["error"]["code"] == "event_too_large"
     assert bad.closed.wait(10) and bad.ws.close_code == 1009
     good.send({"type": "input_audio_buffer.append", "audio": ""})  # no samples: opens no utterance
     good.send({"type": "input_audio_buffer.commit", "event_id": "evt_empty"})
@@ -457,12 +461,17 @@ def test_realtime_auth_and_backlog_limit(strict_server: ServerProcess, speech: n
 
 
 def test_realtimebench_measures_a_live_session(server: ServerProcess, benchdata: Path) -> None:
-    """`python -m app realtimebench`'s measurement on a running server: one A-law session, one clip in real time;
-    every clip gets its final, and each figure it reports is there."""
+    """`python -m app realtimebench`'s measurement on a running server: one A-law session with semantic VAD, one
+    clip with a pause put inside it, in real time; every clip gets its final, with its last word, and each figure
+    it reports is there."""
     from app.tools.realtimebench import run_realtime_bench
 
-    report = run_realtime_bench(benchdata / "manifest.jsonl", [1], ["g711_alaw"], 1, 500, server.url)
+    report = run_realtime_bench(
+        benchdata / "manifest.jsonl", [1], ["g711_alaw"], 1, 500, server.url, ("semantic_vad",), pause_ms=800
+    )
     (level,) = report["levels"]
+    assert level["turn_detection"] == "semantic_vad" and report["pause_ms"] == 800
     assert level["missing_finals"] == 0 and level["wer"] <= 0.3, level
+    assert level["clips_losing_last_word"] == 0 and level["turns_cut_within_clips"] >= 0, level
     for figure in ("speech_end_to_speech_stopped_s", "speech_end_to_completed_s", "speech_start_to_first_delta_s"):
         assert level[figure]["n"] == 1 and level[figure]["p50"] > 0, level

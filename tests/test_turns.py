@@ -69,6 +69,7 @@ def test_semantic_turns_follow_the_words_even_when_they_come_late(benchdata: Pat
     turns = [t for i in range(0, audio.size, 1600) for t in follower.feed(audio[i : i + 1600])]
     pause = next(t for t in turns if t.kind == "pause")
     resume = next(t for t in turns if t.kind == "resume" and t.sample > pause.sample)
+    assert follower.may_split(pause.sample)  # 1.2 s of silence: finished words would have ended the turn
     assert follower.read(pause.sample, "as an example of fine typography,") is None  # it goes on: no split
     follower = TurnFollower(SileroVad(), SemanticVad())
     turns = [t for i in range(0, audio.size, 1600) for t in follower.feed(audio[i : i + 1600])]
@@ -76,12 +77,16 @@ def test_semantic_turns_follow_the_words_even_when_they_come_late(benchdata: Pat
         "split", pause.sample, resume.sample
     )
     assert follower.read(pause.sample, "And it is worth mention in passing.") is None  # once
-    # The stream ends in a pause: finished words end the turn now, its audio all that was heard.
-    tail = np.zeros(8000, np.float32)
-    last = [t for t in follower.feed(tail) if t.kind == "pause"]
+    # The stream ends in a pause: finished words end the turn once the silence has lasted 500 ms (at once if it
+    # has), its audio all that was heard; the silence goes on as no speech.
+    last = [t for t in follower.feed(np.zeros(4800, np.float32)) if t.kind == "pause"]
     assert last and follower.paused_at == last[0].sample
-    stop = follower.read(last[0].sample, "has never been surpassed.")
-    assert stop == Turn("stop", last[0].sample, audio.size + tail.size) and not follower.speaking
+    assert follower.read(last[0].sample, "has never been surpassed.") is None
+    heard = audio.size + 4800
+    stops = [t for _ in range(5) for t in follower.feed(np.zeros(1600, np.float32))]
+    assert len(stops) == 1 and stops[0].kind == "stop" and stops[0].sample == last[0].sample
+    assert last[0].sample + 512 + 8000 <= stops[0].end <= last[0].sample + 512 + 8000 + 1600 <= heard + 8000
+    assert not follower.speaking and list(follower.feed(np.zeros(16000, np.float32))) == []
 
 
 def test_a_follower_begun_later_counts_from_the_sessions_start(benchdata: Path) -> None:

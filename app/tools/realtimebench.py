@@ -69,6 +69,19 @@ class ClipRun:
     completed: float | None = None
     first_delta: float | None = None
     texts: list[str] = field(default_factory=list)
+    cuts: int = 0  # turns that began inside its speech (a pause cut it there)
+    last_text: str | None = None  # the text of the turn that ended with it (None: the turn went on)
+
+
+@dataclass
+class TurnRun:
+    """One turn the server detected: its audio (ms since the session began), when its events came."""
+
+    start_ms: float
+    end_ms: float | None = None
+    stopped: float | None = None
+    completed: float | None = None
+    text: str = ""
 
 
 async def realtime_session(
@@ -80,13 +93,15 @@ async def realtime_session(
     step_s: float = STEP_S,
 ) -> list[ClipRun]:
     """One Realtime transcription session streaming `clips` in turn (each between LEAD_S and TAIL_S of
-    silence), in appends of `step_s` sent as each one's audio has been captured (real time)."""
+    silence), in appends of `step_s` sent as each one's audio has been captured (real time), then silence until
+    every turn is completed. Turns are matched to clips by where their audio lies, so that a turn may hold
+    several clips (semantic VAD joins a sentence read as two) or a clip several turns (a pause cut it)."""
     import websockets
 
     await asyncio.sleep(delay)
     runs: list[ClipRun] = []
     position_ms = 0.0
-    items: dict[str, ClipRun] = {}  # item id -> the clip its speech started in
+    turns: dict[str, TurnRun] = {}
     async with websockets.connect(
         url.replace("http://", "ws://") + "/v1/realtime?intent=transcription", max_size=None
     ) as ws:
@@ -97,8 +112,6 @@ async def realtime_session(
         await ws.send(json.dumps({"type": "transcription_session.update", "session": update}))
         while json.loads(await ws.recv())["type"] != "transcription_session.updated":
             pass
-        finished = asyncio.Event()
-        expected = len(clips)
 
         async def read() -> None:
             async for message in ws:
@@ -108,41 +121,59 @@ async def realtime_session(
                 if kind == "error":
                     raise RuntimeError(event["error"])
                 if kind == "input_audio_buffer.speech_started":
-                    at = event["audio_start_ms"]
-                    items[event["item_id"]] = next((r for r in runs if r.start_ms - 500 <= at < r.end_ms), runs[-1])
-                run = items.get(event.get("item_id", ""))
-                if run is None:
+                    turns[event["item_id"]] = TurnRun(event["audio_start_ms"])
+                turn = turns.get(event.get("item_id", ""))
+                if turn is None:
                     continue
                 if kind == "input_audio_buffer.speech_stopped":
-                    run.stopped = now
-                elif kind.endswith(("transcription.partial", "transcription.delta")) and run.first_delta is None:
-                    run.first_delta = now
+                    turn.end_ms, turn.stopped = event["audio_end_ms"], now
+                elif kind.endswith(("transcription.partial", "transcription.delta")):
+                    run = next((r for r in runs if r.start_ms - 500 <= turn.start_ms < r.end_ms), None)
+                    if run is not None and run.first_delta is None:
+                        run.first_delta = now
                 elif kind.endswith("transcription.completed"):
-                    run.completed = now
-                    run.texts.append(event["transcript"])
-                    if run is runs[-1] and len(runs) == expected and run.stopped is not None:
-                        finished.set()
+                    turn.completed, turn.text = now, event["transcript"]
 
         reader = asyncio.create_task(read())
+        width = 2 if audio_format == "pcm16" else 1  # bytes a sample
+
+        async def append(chunk: bytes) -> None:
+            event = {"type": "input_audio_buffer.append", "audio": base64.b64encode(chunk).decode()}
+            await ws.send(json.dumps(event))
+
         for audio, reference in clips:
             lead, tail = (np.zeros(int(s * SAMPLE_RATE), np.float32) for s in (LEAD_S, TAIL_S))
             data, rate = encode(np.concatenate([lead, audio, tail]), audio_format)
             speech_s = audio.size / SAMPLE_RATE
             run = ClipRun(reference, position_ms + LEAD_S * 1000, position_ms + (LEAD_S + speech_s) * 1000)
             runs.append(run)
-            width = 2 if audio_format == "pcm16" else 1  # bytes a sample
-
-            async def append(chunk: bytes) -> None:
-                event = {"type": "input_audio_buffer.append", "audio": base64.b64encode(chunk).decode()}
-                await ws.send(json.dumps(event))
-
             await send_paced(append, data, int(rate * step_s) // width * width, rate, step_s, run, speech_s)
             position_ms += len(data) / rate * 1000
-        try:
-            await asyncio.wait_for(finished.wait(), timeout=60)
-        finally:
-            reader.cancel()
+        # A live caller's microphone goes on: silence until every turn is completed (a turn waits up to 8 s).
+        data, rate = encode(np.zeros(SAMPLE_RATE, np.float32), audio_format)
+        deadline = time.perf_counter() + 60
+        while time.perf_counter() < deadline and (not turns or any(t.completed is None for t in turns.values())):
+            if reader.done():
+                reader.result()  # raises what the reader raised
+            await send_paced(append, data, int(rate * step_s) // width * width, rate, step_s)
+        reader.cancel()
+    attribute(runs, sorted(turns.values(), key=lambda t: t.start_ms))
     return runs
+
+
+def attribute(runs: list[ClipRun], turns: list[TurnRun]) -> None:
+    """Each clip's figures from the turns: its `stopped` and `completed` are those of the turn its speech ended in;
+    its texts, those of the turns that began in it; `cuts`, how many turns began inside its speech; `last_text`,
+    the text of the turn that ended with it (none if the turn went on into the next clip)."""
+    for k, run in enumerate(runs):
+        ended_in = next((t for t in reversed(turns) if t.start_ms <= run.end_ms), None)
+        if ended_in is not None:
+            run.stopped, run.completed = ended_in.stopped, ended_in.completed
+            following = runs[k + 1].start_ms if k + 1 < len(runs) else float("inf")
+            if ended_in.end_ms is not None and ended_in.end_ms < following and ended_in.completed is not None:
+                run.last_text = ended_in.text
+        run.texts = [t.text for t in turns if run.start_ms - 500 <= t.start_ms < run.end_ms and t.completed]
+        run.cuts = sum(run.start_ms + 300 < t.start_ms < run.end_ms for t in turns)
 
 
 async def send_paced(
@@ -151,8 +182,8 @@ async def send_paced(
     step: int,
     per_second: int,
     step_s: float,
-    run: ClipRun,
-    speech_s: float,
+    run: ClipRun | None = None,
+    speech_s: float = 0.0,
 ) -> None:
     """`data` (a clip between LEAD_S and TAIL_S of silence, `per_second` bytes a second of audio) in chunks of
     `step` bytes, each sent once its audio has been captured (every `step_s`, in real time); marks when the
@@ -161,6 +192,8 @@ async def send_paced(
     for k, offset in enumerate(range(0, len(data), step)):
         await asyncio.sleep(max(0.0, began + (k + 1) * step_s - time.perf_counter()))
         await send(data[offset : offset + step])
+        if run is None:
+            continue
         sent_s = (offset + step) / per_second
         if run.speech_start == 0.0 and sent_s >= LEAD_S:
             run.speech_start = time.perf_counter()
@@ -198,15 +231,18 @@ def turn_detection(kind: str, silence_ms: int) -> dict[str, Any]:
 @dataclass(frozen=True)
 class LiveClip:
     """A clip as sessions stream it (a pause may have been put inside one of its sentences), with what an upload
-    of that audio gives (the words each turn's finals should have, the last one included)."""
+    of that audio, in each input format, gives (the words each turn's finals should have, the last one included)."""
 
     audio: np.ndarray
     reference: str
-    uploaded: str
+    uploaded: dict[str, str]  # input format -> text
 
     @property
     def sentence_final(self) -> bool:
-        return self.reference.rstrip().endswith((".", "!", "?"))
+        """Whether the clip ends a sentence: its reference ends with a full stop, or it has no punctuation at all
+        (an utterance-level transcript, a whole sentence)."""
+        text = self.reference.rstrip()
+        return text.endswith((".", "!", "?")) or not any(mark in text for mark in ".,;:!?")
 
 
 def _words(text: str) -> list[str]:
@@ -230,30 +266,42 @@ def with_pause(url: str, audio: np.ndarray, pause_ms: int) -> np.ndarray:
     return np.concatenate([audio[:cut], np.zeros(pause_ms * SAMPLE_RATE // 1000, np.float32), audio[cut:]])
 
 
-def _upload(url: str, audio: np.ndarray, fields: dict[str, str] | None = None) -> dict[str, Any]:
+def as_wav(audio: np.ndarray, audio_format: str) -> bytes:
+    """16-kHz samples as a WAV file of what a session in `audio_format` hears: pcm16 at 24 kHz, or G.711 at 8 kHz."""
     out = io.BytesIO()
-    sf.write(out, audio, SAMPLE_RATE, format="WAV", subtype="PCM_16")
+    if audio_format == "pcm16":
+        sf.write(out, soxr.resample(audio, SAMPLE_RATE, 24000), 24000, format="WAV", subtype="PCM_16")
+    else:
+        subtype = {"g711_ulaw": "ULAW", "g711_alaw": "ALAW"}[audio_format]
+        sf.write(out, soxr.resample(audio, SAMPLE_RATE, 8000), 8000, format="WAV", subtype=subtype)
+    return out.getvalue()
+
+
+def _upload(url: str, audio: np.ndarray, fields: dict[str, str] | None = None, audio_format: str = "pcm16") -> Any:
     response = httpx.post(
         f"{url}/v1/audio/transcriptions",
         data={"model": "whisper-1", "language": "en", **(fields or {})},
-        files={"file": ("clip.wav", out.getvalue())},
+        files={"file": ("clip.wav", as_wav(audio, audio_format))},
         timeout=300,
     )
     response.raise_for_status()
-    return dict(response.json())
+    return response.json()
 
 
-def prepare(url: str, clips: list[tuple[np.ndarray, str]], pause_ms: int) -> list[LiveClip]:
+def prepare(url: str, clips: list[tuple[np.ndarray, str]], pause_ms: int, formats: list[str]) -> list[LiveClip]:
     prepared = []
     for audio, reference in clips:
         audio = with_pause(url, audio, pause_ms)
-        prepared.append(LiveClip(audio, reference, _upload(url, audio)["text"]))
+        uploaded = {fmt: _upload(url, audio, audio_format=fmt)["text"] for fmt in formats}
+        prepared.append(LiveClip(audio, reference, uploaded))
     return prepared
 
 
-def lost_last_word(clip: LiveClip, run: ClipRun) -> bool:
-    """Whether the finals of the clip's turns end before the words an upload of the same audio ends with."""
-    heard, uploaded = _words(" ".join(run.texts)), _words(clip.uploaded)
+def lost_last_word(clip: LiveClip, run: ClipRun, audio_format: str) -> bool:
+    """Whether the turn that ended with the clip ends before the word an upload of the clip's audio ends with."""
+    if run.last_text is None:  # the turn went on into the next clip: its end is another clip's
+        return False
+    heard, uploaded = _words(run.last_text), _words(clip.uploaded[audio_format])
     return bool(uploaded) and heard[-1:] != uploaded[-1:]
 
 
@@ -277,10 +325,16 @@ async def _level(url: str, clips: list[LiveClip], sessions: int, fmt: str, detec
         ),
         "speech_start_to_first_delta_s": percentiles([r.first_delta - r.speech_start for r in runs if r.first_delta]),
         "missing_finals": sum(r.completed is None for r in runs),
-        "turns_cut_within_clips": sum(max(0, len(r.texts) - 1) for r in runs),
-        "clips_losing_last_word": sum(lost_last_word(c, r) for c, r in pairs),
-        "wer": round(error_rate([(r.reference, " ".join(r.texts), "en") for r in runs]), 4),
+        "turns_cut_within_clips": sum(r.cuts for r in runs),
+        "clips_joined_to_the_next": sum(r.last_text is None for r in runs[:-1]),
+        "clips_losing_last_word": sum(lost_last_word(c, r, fmt) for c, r in pairs),
+        # over each session's whole text: a turn may hold several clips, or a clip several turns
+        "wer": round(error_rate([_session_text(session) for session in results]), 4),
     }
+
+
+def _session_text(runs: list[ClipRun]) -> tuple[str, str, str]:
+    return " ".join(r.reference for r in runs), " ".join(t for r in runs for t in r.texts), "en"
 
 
 def run_realtime_bench(
@@ -299,7 +353,7 @@ def run_realtime_bench(
     server = None if url else ServerProcess().start()
     base = url or (server.url if server else "")
     try:
-        clips = prepare(base, raw, pause_ms)
+        clips = prepare(base, raw, pause_ms, formats)
         warm = turn_detection("server_vad", silence_ms)
         asyncio.run(_level(base, clips[:1], 1, formats[0], warm))  # warm-up: first calls pay one-off costs
         levels = [

@@ -32,7 +32,7 @@ from app.api.types import DecodingOptions, InvalidRequestError, Transcription
 from app.server.realtime import events
 from app.server.realtime.config import SessionConfig, apply_update
 from app.server.realtime.partials import Partials
-from app.server.realtime.turns import SemanticVad, Turn, TurnFollower
+from app.server.realtime.turns import Turn, TurnFollower
 from app.server.realtime.utterances import AudioBuffer, EarlyFinal, Finals, Utterance, retrieve
 from app.server.serving.service import TranscriptionService
 from app.settings import Settings
@@ -247,7 +247,11 @@ class RealtimeSession:
                 self._begin_early_final(paused_at)
         elif turn.kind == "pause" and self.item_id is not None:
             self._begin_early_final(turn.sample)
-        elif turn.kind == "resume" and self._early is not None and isinstance(self.turns.detection, SemanticVad):
+        elif (
+            turn.kind == "resume"
+            and self._early is not None
+            and self.turns.may_split(self._early.end - self.turns.tail)
+        ):
             self._unread.append(self._early)  # its words may still say the turn had ended at that pause
             self._early = None
         elif turn.kind == "resume":

@@ -4,9 +4,10 @@ Two kinds, as OpenAI's Realtime API names them (`turn_detection.type`):
 - `server_vad` (`VadParams`): a turn ends once `silence_duration_ms` of silence followed the speech.
 - `semantic_vad` (`SemanticVad`): a turn ends when the words say the speaker is done. At every pause (`PAUSE_MS`
   of silence) the session transcribes the turn so far (its final if the turn ends there) and `reading` classes
-  the text: a turn that reads finished ends at once; one that reads unsure (no sentence-final mark) waits half
-  the eagerness bound; one that asks for more words ("... and", "the", a comma) waits to the bound (`eagerness`:
-  low 8 s, medium and auto 4 s, high 2 s), never longer.
+  the text: a turn that reads finished ends once the silence has lasted `FINISHED_MS` (500 ms at auto); one
+  that reads unsure (no sentence-final mark) waits half the eagerness bound; one that asks for more words
+  ("... and", "the", a comma) waits to the bound (`eagerness`: low 8 s, medium and auto 4 s, high 2 s), never
+  longer.
 `None` (`turn_detection: null`): the client commits each turn itself.
 
 `TurnFollower` runs either over the stream: it turns Silero's speech starts, pauses, resumes and stops into the
@@ -27,6 +28,9 @@ from app.api.types import InvalidRequestError
 from app.server.vad import IGNORED, WINDOW, SileroVad, SpeechStream, VadEvent, VadParams, server_vad
 
 EAGERNESS_BOUND_MS = {"low": 8000, "medium": 4000, "high": 2000, "auto": 4000}
+# The silence after words that read finished before the turn ends: a reader's pause at a comma is shorter (and
+# Whisper may end such a fragment with a full stop).
+FINISHED_MS = {"low": 1000, "medium": 500, "high": 250, "auto": 500}
 Reading = Literal["finished", "unsure", "continues"]
 
 
@@ -44,6 +48,11 @@ class SemanticVad:
     def bound_ms(self) -> int:
         """The longest silence after speech before the turn ends, whatever its words."""
         return EAGERNESS_BOUND_MS[self.eagerness]
+
+    @property
+    def finished_ms(self) -> int:
+        """The silence that ends a turn whose words read finished."""
+        return FINISHED_MS[self.eagerness]
 
     @property
     def unsure_ms(self) -> int:
@@ -199,28 +208,31 @@ class TurnFollower:
         if self._end_at is not None and self._pause is not None and self._heard >= self._end_at:
             yield self._stop(self._pause, forced=True)
 
+    def may_split(self, speech_end: int) -> bool:
+        """Semantic VAD: whether words read after the speech went on could still end the turn at the pause after
+        `speech_end` (its silence lasted as long as finished words need)."""
+        resumed = self._resumed.get(speech_end)
+        if not isinstance(self.detection, SemanticVad) or resumed is None:
+            return False
+        return (resumed - speech_end - WINDOW) * 1000 // SAMPLE_RATE >= self.detection.finished_ms
+
     def read(self, speech_end: int, text: str) -> Turn | None:
         """Semantic VAD: `text` is the transcript of the turn paused at `speech_end`. Returns the stop when the
-        words say the turn is over; else sets how long the silence may last before it is (None)."""
+        words say the turn is over and the silence has lasted long enough for them; else sets how long it may
+        last before it is (None). For a pause the speech has gone on from since, the split there, if the silence
+        had lasted long enough."""
         if not isinstance(self.detection, SemanticVad):
             return None
-        if speech_end in self._resumed:  # too late to end the turn then: split it there, if the silence was enough
+        verdict = reading(text)
+        wait_ms = {"finished": self.detection.finished_ms, "unsure": self.detection.unsure_ms}.get(verdict)
+        if speech_end in self._resumed:  # too late to end the turn then: split it there
             resumed = self._resumed.pop(speech_end)
             silence_ms = (resumed - speech_end - WINDOW) * 1000 // SAMPLE_RATE
-            verdict = reading(text)
-            if verdict == "finished" or (verdict == "unsure" and silence_ms >= self.detection.unsure_ms):
-                return Turn("split", speech_end, resumed)
+            return Turn("split", speech_end, resumed) if wait_ms is not None and silence_ms >= wait_ms else None
+        if self._pause != speech_end or wait_ms is None:
             return None
-        if self._pause != speech_end:
-            return None
-        verdict = reading(text)
-        if verdict == "finished":
-            return self._stop(speech_end, forced=True)
-        if verdict == "unsure":
-            self._end_at = speech_end + WINDOW + self.detection.unsure_ms * SAMPLE_RATE // 1000
-            if self._heard >= self._end_at:
-                return self._stop(speech_end, forced=True)
-        return None
+        self._end_at = speech_end + WINDOW + wait_ms * SAMPLE_RATE // 1000
+        return self._stop(speech_end, forced=True) if self._heard >= self._end_at else None
 
     def _stop(self, speech_end: int, *, forced: bool) -> Turn:
         """The turn ends: its audio runs on past its speech to where the silence that ended it does (the whole
