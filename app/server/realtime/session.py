@@ -19,7 +19,6 @@ import asyncio
 import base64
 import binascii
 import json
-import logging
 import time
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -37,7 +36,6 @@ from app.server.realtime.utterances import AudioBuffer, EarlyFinal, Finals, Utte
 from app.server.serving.service import TranscriptionService
 from app.settings import Settings
 
-log = logging.getLogger("specwhisper.realtime")
 OUTBOUND_LIMIT = 512  # queued server events; a client that stops reading is disconnected
 MIN_TURN_S = 0.5  # a pause earlier in a turn than this begins no final
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +23,6 @@ from app.api.types import DecodingOptions, Transcription
 from app.server.realtime import events
 from app.server.serving.service import TranscriptionService
 
-log = logging.getLogger("specwhisper.realtime")
 FINAL_RETRY_S = 0.2
 
 
