@@ -111,6 +111,16 @@ class Settings(BaseSettings):
     max_queued_audio_seconds: float = Field(
         4 * 3600.0, gt=0, description="decoded audio waiting in the queue (4 bytes/sample at 16 kHz); beyond it 429"
     )
+    max_audio_in_flight_s: float = Field(
+        3600.0,
+        gt=0,
+        description="seconds of audio uploads may hold at once (a single-block upload all of its audio, a chunked"
+        " one a few chunks, ~5 min at most); an upload that does not fit waits, and past a line of as much audio"
+        " gets 429",
+    )
+    upload_threads: int = Field(
+        1, ge=1, le=64, description="threads that decode uploads and run their VAD, a bounded step at a time"
+    )
     request_timeout_s: float = Field(600.0, gt=0, description="a request waiting longer gets 504")
     shutdown_timeout_s: float = Field(30.0, ge=0, description="time to finish in-flight work on shutdown")
     worker_start_timeout_s: float = Field(

@@ -64,6 +64,25 @@ def test_batches_count_rows() -> None:
     assert DecodingOptions(temperature=0.4, best_of=3).rows == 3 and DecodingOptions().rows == 1
 
 
+def test_a_short_upload_goes_before_the_later_chunks_of_long_ones() -> None:
+    """Two chunked uploads queue their chunks (turns 0..5), then a one-job upload arrives: it joins the first batch
+    that has room, before either long upload's later chunks; the long ones take turns, chunk by chunk."""
+
+    def chunk(name: str, turn: int) -> Job:
+        return Job(f"{name}-{turn}", np.zeros(1600, np.float32), DecodingOptions(), turn=turn)
+
+    async def run() -> list[list[str]]:
+        batcher = Batcher(AlwaysReady(), ServerMetrics(), max_batch=2, window_s=0.0, queue_size=32)  # type: ignore[arg-type]
+        for turn in range(6):
+            batcher.submit(chunk("a", turn), Lane.UPLOAD)
+        for turn in range(6):
+            batcher.submit(chunk("b", turn), Lane.UPLOAD)
+        batcher.submit(_job("short"), Lane.UPLOAD)
+        return [[p.job.request_id for p in await batcher._collect()] for _ in range(3)]
+
+    assert asyncio.run(run()) == [["a-0", "b-0"], ["short", "a-1"], ["b-1", "a-2"]]
+
+
 class HeldWorker:
     """The worker supervisor as the batcher uses it: each batch runs until the test releases it; cancellations
     sent to the worker are recorded."""

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from app.api.types import InvalidRequestError
 from app.server.serving.chunking import CHUNK_SECONDS, Chunk, normalized, plan
+from app.server.serving.uploads import AUTO_VAD, UPLOAD_VAD, AudioScan, Chunking, ChunkScan
 from app.server.vad import WINDOW, SileroVad, VadParams, server_vad, settled_regions
 
 SR = 16000
@@ -211,3 +212,41 @@ def test_auto_levels_quiet_audio_for_the_vad_only_so_far(clip: Callable[[str], n
     assert np.array_equal(normalized(np.zeros(SR, np.float32)), np.zeros(SR, np.float32))
     loud = clip(SPEECH)
     assert np.array_equal(normalized(loud), loud)  # never turned down
+
+
+@pytest.mark.parametrize(
+    ("rate", "chunking"), [(16000, Chunking(AUTO_VAD, True)), (44100, Chunking(UPLOAD_VAD, False))]
+)
+def test_an_upload_read_in_steps_gives_the_chunks_of_the_whole(
+    vad: SileroVad, clip: Callable[[str], np.ndarray], rate: int, chunking: Chunking
+) -> None:
+    """The two passes over an encoded upload (loudness, then the VAD with a second decoder following behind) give
+    the chunks, and the samples of each, that the VAD gives over the whole decoded upload, bit for bit."""
+    import io
+
+    import soundfile as sf
+    import soxr
+
+    from app.api.audio import EncodedAudio, decode_audio
+
+    speech = clip(SPEECH)
+    parts = [speech * 0.01, np.zeros(95 * SR, np.float32), speech, np.zeros(SR // 2, np.float32)]
+    source = np.concatenate(parts + [speech * 0.3] * 4 + [np.zeros(3 * SR, np.float32), speech])
+    buf = io.BytesIO()
+    sf.write(buf, soxr.resample(source, SR, rate), rate, format="FLAC", subtype="PCM_16")
+    audio = decode_audio(buf.getvalue())
+    heard = normalized(audio) if chunking.normalize else audio
+    expected = list(plan(vad.regions_as_found(heard, chunking.params, CHUNK_SECONDS)))
+    assert len(expected) >= 3
+
+    upload = EncodedAudio(buf.getvalue())
+    first = AudioScan(upload, levels=chunking.normalize)
+    while not first.done:
+        first.step()
+    assert first.samples == audio.size
+    scan, found = ChunkScan(upload, lambda: vad.finder(chunking.params, CHUNK_SECONDS), first.gain), []
+    while not scan.done:
+        found += scan.step()
+    assert [c for c, _ in found] == expected
+    for chunk, samples in found:
+        assert np.array_equal(samples, chunk.audio(audio))

@@ -7,6 +7,8 @@ takes everything else (m4a/AAC, webm, video containers). Resampling uses soxr.
 from __future__ import annotations
 
 import io
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,17 +33,6 @@ class _Upload(io.BytesIO):
         return super().seek(max(0, base + offset))
 
 
-def _to_mono_16k(samples: np.ndarray, rate: int) -> np.ndarray:
-    if samples.ndim == 2:
-        samples = samples.mean(axis=1)
-    samples = np.asarray(samples, dtype=np.float32)
-    if not np.all(np.isfinite(samples)):
-        raise AudioError("audio contains NaN or infinite samples")
-    if rate != SAMPLE_RATE:
-        samples = soxr.resample(samples, rate, SAMPLE_RATE, quality="HQ").astype(np.float32)
-    return samples
-
-
 class AudioTooLongError(AudioError):
     """The audio lasts longer than the allowed maximum."""
 
@@ -51,7 +42,8 @@ def _too_long(seconds: float, limit: float | None) -> None:
         raise AudioTooLongError(f"audio lasts {seconds:.0f} s, more than the allowed {limit:g} s")
 
 
-def _decode_with_av(data: bytes, max_seconds: float | None) -> tuple[np.ndarray, int]:
+def _av_blocks(data: bytes, max_seconds: float | None) -> Iterator[np.ndarray]:
+    """FFmpeg's decoder through PyAV: a block per decoded frame, resampled to 16 kHz mono by libswresample."""
     import av
 
     try:
@@ -60,80 +52,131 @@ def _decode_with_av(data: bytes, max_seconds: float | None) -> tuple[np.ndarray,
             if not streams:
                 raise AudioError("the file has no audio stream")
             resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
-            chunks = []
             samples = 0
             for frame in container.decode(streams[0]):
                 for out in resampler.resample(frame):
-                    chunk = out.to_ndarray().reshape(-1)
-                    chunks.append(chunk)
-                    samples += chunk.size
+                    block = _finite(out.to_ndarray().reshape(-1))
+                    samples += block.size
+                    yield block
                 _too_long(samples / SAMPLE_RATE, max_seconds)
             for out in resampler.resample(None):
-                chunks.append(out.to_ndarray().reshape(-1))
+                yield _finite(out.to_ndarray().reshape(-1))
     except AudioError:
         raise
     except MemoryError as exc:
         raise AudioError("the audio is too large to decode") from exc
     except Exception as exc:  # PyAV raises many error types for bad input
         raise AudioError(f"could not decode audio: {exc}") from exc
-    if not chunks:
-        return np.zeros(0, dtype=np.float32), SAMPLE_RATE
-    return np.concatenate(chunks).astype(np.float32), SAMPLE_RATE
+
+
+def _finite(samples: np.ndarray) -> np.ndarray:
+    samples = np.asarray(samples, dtype=np.float32)
+    if not np.all(np.isfinite(samples)):
+        raise AudioError("audio contains NaN or infinite samples")
+    return samples
+
+
+def _soundfile_blocks(source: sf.SoundFile, max_seconds: float | None) -> Iterator[np.ndarray]:
+    """libsndfile's decoder, `BLOCK_SAMPLES` at a time, each block mixed down and resampled (soxr, streaming): a
+    file with many channels at a high rate (a few MB of FLAC can expand to GBs of float32) is never held whole."""
+    with source:
+        rate, channels = source.samplerate, source.channels
+        if rate <= 0 or channels <= 0:
+            raise AudioError("the audio header is invalid")
+        _too_long(source.frames / rate, max_seconds)
+        resampler = None
+        if rate != SAMPLE_RATE:
+            resampler = soxr.ResampleStream(rate, SAMPLE_RATE, 1, dtype="float32", quality="HQ")
+        produced = 0
+        try:
+            for block in source.blocks(blocksize=max(1, BLOCK_SAMPLES // channels), dtype="float32", always_2d=True):
+                mono = _finite(block.mean(axis=1, dtype=np.float32) if channels > 1 else block[:, 0].copy())
+                out = resampler.resample_chunk(mono) if resampler is not None else mono
+                produced += out.size
+                _too_long(produced / SAMPLE_RATE, max_seconds)
+                yield out
+            if resampler is not None:
+                yield resampler.resample_chunk(np.zeros(0, dtype=np.float32), last=True)
+        except AudioError:
+            raise
+        except MemoryError as exc:
+            raise AudioError("the audio is too large to decode") from exc
+        except Exception as exc:
+            raise AudioError(f"could not decode audio: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class EncodedAudio:
+    """An upload as it came (`data`, a few hundred kB for an hour of FLAC), decoded again each time its samples
+    are needed, as a stream of blocks: an hour of audio is ~230 MB as float32, so no reader holds more than a block.
+
+    Every pass gives the same samples, in the same blocks. With `max_seconds`, longer audio is refused from its
+    header (or while decoding, for formats without a reliable length) before it is decoded.
+    """
+
+    data: bytes
+    max_seconds: float | None = None
+
+    def blocks(self) -> Iterator[np.ndarray]:
+        """The audio as float32 blocks at 16 kHz, mono, in order; AudioError (at once, or where decoding
+        fails) if it is not decodable audio, holds no samples, or lasts too long."""
+        if not self.data:
+            raise AudioError("the audio file is empty")
+        try:
+            source = sf.SoundFile(_Upload(self.data))
+        except Exception:
+            blocks = _av_blocks(self.data, self.max_seconds)
+        else:
+            blocks = _soundfile_blocks(source, self.max_seconds)
+        produced = 0
+        for block in blocks:
+            if block.size:
+                produced += block.size
+                yield block
+        if produced == 0:
+            raise AudioError("the audio holds no samples")
+
+    def decode(self) -> np.ndarray:
+        """All of it at once: float32 samples at 16 kHz, mono."""
+        return np.concatenate(list(self.blocks())).astype(np.float32, copy=False)
 
 
 def decode_audio(data: bytes, max_seconds: float | None = None) -> np.ndarray:
-    """Encoded audio bytes -> float32 samples at 16 kHz, mono.
-
-    With `max_seconds`, longer audio is refused from its header (or while decoding,
-    for formats without a reliable length) before it is held in memory.
-    """
-    if not data:
-        raise AudioError("the audio file is empty")
-    try:
-        source = sf.SoundFile(_Upload(data))
-    except Exception:
-        samples, rate = _decode_with_av(data, max_seconds)
-        audio = _to_mono_16k(samples, rate)
-    else:
-        with source:
-            audio = _decode_with_soundfile(source, max_seconds)
-    if audio.size == 0:
-        raise AudioError("the audio holds no samples")
-    return audio
+    """Encoded audio bytes -> float32 samples at 16 kHz, mono (`EncodedAudio.decode`)."""
+    return EncodedAudio(data, max_seconds).decode()
 
 
-def _decode_with_soundfile(source: sf.SoundFile, max_seconds: float | None) -> np.ndarray:
-    """Read in blocks, mixing down and resampling each: a file with many channels at a high rate
-    (a few MB of FLAC can expand to GBs of float32) never lives in memory at its own rate."""
-    rate, channels = source.samplerate, source.channels
-    if rate <= 0 or channels <= 0:
-        raise AudioError("the audio header is invalid")
-    _too_long(source.frames / rate, max_seconds)
-    resampler = None
-    if rate != SAMPLE_RATE:
-        resampler = soxr.ResampleStream(rate, SAMPLE_RATE, 1, dtype="float32", quality="HQ")
-    chunks: list[np.ndarray] = []
-    produced = 0
-    try:
-        for block in source.blocks(blocksize=max(1, BLOCK_SAMPLES // channels), dtype="float32", always_2d=True):
-            mono = block.mean(axis=1, dtype=np.float32) if channels > 1 else block[:, 0].copy()
-            if not np.all(np.isfinite(mono)):
-                raise AudioError("audio contains NaN or infinite samples")
-            out = resampler.resample_chunk(mono) if resampler is not None else mono
-            chunks.append(out)
-            produced += out.size
-            _too_long(produced / SAMPLE_RATE, max_seconds)
-        if resampler is not None:
-            chunks.append(resampler.resample_chunk(np.zeros(0, dtype=np.float32), last=True))
-    except AudioError:
-        raise
-    except MemoryError as exc:
-        raise AudioError("the audio is too large to decode") from exc
-    except Exception as exc:
-        raise AudioError(f"could not decode audio: {exc}") from exc
-    if not chunks:
-        return np.zeros(0, dtype=np.float32)
-    return np.concatenate(chunks).astype(np.float32, copy=False)
+class SampleReader:
+    """Ranges of samples of a stream of blocks, read forward: `take(start, end)` decodes only as far as `end` and
+    lets go of the blocks before `start` (a later range must not start before an earlier one's start)."""
+
+    def __init__(self, blocks: Iterator[np.ndarray]) -> None:
+        self._blocks = blocks
+        self._held: list[np.ndarray] = []
+        self._offset = 0  # the first held sample's position
+        self._end = 0  # the position after the last held sample
+
+    def take(self, start: int, end: int) -> np.ndarray:
+        """Samples [start, end) (fewer where the stream ends first)."""
+        if start < self._offset:
+            raise ValueError(f"samples from {start} were let go (the reader is at {self._offset})")
+        while True:
+            while self._held and self._offset + self._held[0].size <= start:
+                self._offset += self._held.pop(0).size
+            if self._end >= end:
+                break
+            block = next(self._blocks, None)
+            if block is None:
+                break
+            if not self._held:
+                self._offset = self._end
+            self._held.append(block)
+            self._end += block.size
+        held = np.concatenate(self._held) if len(self._held) > 1 else (self._held[0] if self._held else _EMPTY)
+        return held[start - self._offset : end - self._offset].copy()
+
+
+_EMPTY = np.zeros(0, dtype=np.float32)
 
 
 def load_audio(path: str | Path) -> np.ndarray:

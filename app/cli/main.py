@@ -389,11 +389,12 @@ def build_parser() -> argparse.ArgumentParser:
     gpu = commands.add_parser("gpubench", help=GPUBENCH_HELP, add_help=False)
     gpu.set_defaults(handler=_gpubench)
 
-    from app.tools import loadtest, soak
+    from app.tools import loadtest, soak, storm
 
     for name, tool, text in (
         ("loadtest", loadtest, "N concurrent clients against a server, every answer checked (JSON report)"),
         ("soak", soak, "long mixed upload + WebSocket traffic; RSS, fds, threads, tasks, /dev/shm verdict"),
+        ("storm", storm, "hour-long uploads in small files at once, with short uploads and a live session"),
     ):
         sub = commands.add_parser(name, help=text)
         tool.add_arguments(sub)

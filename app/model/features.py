@@ -50,8 +50,38 @@ def mel_filters(n_mels: int) -> Tensor:
     return torch.from_numpy(bank.astype(np.float32)).T.contiguous()
 
 
+MEL_BLOCK = 3000  # mel frames computed at a time
+
+
 def log_mel(audio: np.ndarray, n_mels: int, padding: int = 0) -> Tensor:
-    """16-kHz samples (plus `padding` zeros) -> log-mel [n_mels, frames] with Whisper's normalization."""
+    """16-kHz samples (plus `padding` zeros) -> log-mel [n_mels, frames] with Whisper's normalization.
+
+    The STFT (centred: reflected at both ends) runs `MEL_BLOCK` frames at a time over the frames' own samples, so
+    an hour of audio costs its log-mel (~115 MB) and not its complex spectrum too (~570 MB more); each frame's
+    value is the one a single STFT over all of it gives, bit for bit (tests/test_audio.py holds this)."""
+    length = audio.size + padding
+    if audio.size == 0 or length <= N_FFT // 2:  # too short to reflect: as torch would (an error, or empty)
+        return _log_mel_whole(audio, n_mels, padding)
+    frames = length // HOP_LENGTH  # a centred STFT gives one more, which Whisper drops
+    window = torch.hann_window(N_FFT)
+    filters = mel_filters(n_mels)
+    spec = torch.empty(n_mels, frames)
+    for first in range(0, frames, MEL_BLOCK):
+        last = min(frames, first + MEL_BLOCK)
+        at = np.arange(first * HOP_LENGTH, (last - 1) * HOP_LENGTH + N_FFT) - N_FFT // 2  # in the padded audio
+        at = np.where(at < 0, -at, at)  # reflected at the start ...
+        at = np.where(at >= length, 2 * (length - 1) - at, at)  # ... and at the end
+        samples = np.where(at < audio.size, audio[np.minimum(at, audio.size - 1)], 0).astype(np.float32)
+        stft = torch.stft(
+            torch.from_numpy(samples), N_FFT, HOP_LENGTH, window=window, center=False, return_complex=True
+        )
+        spec[:, first:last] = (filters @ (stft.abs() ** 2)).clamp(min=1e-10).log10()
+    spec = torch.maximum(spec, spec.max() - 8.0)
+    return (spec + 4.0) / 4.0
+
+
+def _log_mel_whole(audio: np.ndarray, n_mels: int, padding: int = 0) -> Tensor:
+    """`log_mel` in one STFT over all of the audio (the definition the blocks are held to)."""
     samples = torch.from_numpy(np.ascontiguousarray(audio, dtype=np.float32))
     if padding:
         samples = torch.nn.functional.pad(samples, (0, padding))

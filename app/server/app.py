@@ -106,6 +106,7 @@ def create_app(
                     task.cancel()
             log.info("shutting down: draining in-flight work (up to %.0f s)", settings.shutdown_timeout_s)
             await client.close(settings.shutdown_timeout_s)
+            service.close()
 
     app = FastAPI(title="SpecWhisper", version="0.1.0", lifespan=lifespan)
     app.include_router(router)

@@ -56,6 +56,18 @@ class ServerMetrics:
             registry=r,
         )
         self.queue_depth = Gauge("specwhisper_queue_depth", "requests waiting", registry=r)
+        self.audio_in_flight = Gauge(
+            "specwhisper_audio_in_flight_seconds", "audio held by admitted uploads (the audio budget's use)", registry=r
+        )
+        self.budget_waiting = Gauge(
+            "specwhisper_audio_budget_waiting", "uploads waiting for room in the audio budget", registry=r
+        )
+        self.budget_refused = Counter(
+            "specwhisper_audio_budget_refused", "uploads refused (429): the audio budget's line was full", registry=r
+        )
+        self.upload_steps_waiting = Gauge(
+            "specwhisper_upload_steps_waiting", "uploads waiting for an upload thread (decoding, VAD)", registry=r
+        )
         self.worker_up = Gauge("specwhisper_worker_up", "1 when the worker is ready", registry=r)
         self.worker_restarts = Gauge("specwhisper_worker_restarts", "worker process restarts", registry=r)
         self.realtime_sessions = Gauge("specwhisper_realtime_sessions", "open WebSocket sessions", registry=r)

@@ -1,10 +1,10 @@
 """Voice-activity detection: Silero VAD (the `silero-vad` package's ONNX model, run by onnxruntime on the CPU).
 
-The one VAD of the server: it finds the speech regions of an upload (`SileroVad.regions`, for
-`chunking_strategy`) and follows a live stream's turns (`SileroVad.stream`, for realtime sessions). Its
-knobs are OpenAI's (`VadParams`): `threshold` is Silero's speech probability, `silence_duration_ms` the
-silence that ends speech, `prefix_padding_ms` the audio kept before it; `min_speech_duration_ms` (ours) is the
-shortest sound that counts as speech.
+The one VAD of the server: it finds the speech regions of an upload fed in blocks (`SileroVad.finder`, for
+`chunking_strategy`; `regions` over samples held whole) and follows a live stream's turns (`SileroVad.stream`,
+for realtime sessions). Its knobs are OpenAI's (`VadParams`): `threshold` is Silero's speech probability,
+`silence_duration_ms` the silence that ends speech, `prefix_padding_ms` the audio kept before it;
+`min_speech_duration_ms` (ours) is the shortest sound that counts as speech.
 
 One ONNX session serves every caller: each call or stream works on a shallow copy of the model wrapper,
 which shares the session and keeps its own recurrent state. The package imports torch (it hands tensors to
@@ -96,25 +96,112 @@ class VadEvent:
     sample: int
 
 
-def settled_regions(blocks: Iterable[list[float]], rules: dict[str, Any], length: int) -> Iterator[tuple[int, int]]:
-    """Silero's speech regions (`get_speech_timestamps_from_probs` with `rules`) of `length` samples whose frame
-    probabilities come in `blocks`, each region yielded once no later frame can change it. The rules run left
-    to right: after each block they rerun over the frames so far, and all but the last two regions are final
-    (the last may still grow, be cut or be dropped as too short; the one before it is padded towards the
-    last one's start). tests/test_vad.py holds the library to this."""
-    from silero_vad.utils_vad import get_speech_timestamps_from_probs
+class RegionSettler:
+    """Silero's speech regions (`get_speech_timestamps_from_probs` with `rules`) of a stream whose frame probabilities
+    come in blocks, each region given once no later frame can change it. The rules run left to right: after each
+    block they rerun over the frames so far, and all but the last two regions are final (the last may still grow,
+    be cut or be dropped as too short; the one before it is padded towards the last one's start).
+    tests/test_vad.py holds the library to this.
 
-    probs: list[float] = []
-    done = 0
+    `grouped`: probabilities are held until at least `FIRST_BLOCK` frames, or a quarter of those heard, have come
+    (each rerun goes over all the frames so far: growing blocks keep the reruns' total cost linear)."""
+
+    def __init__(self, rules: dict[str, Any], *, grouped: bool = True) -> None:
+        self.rules = rules
+        self.grouped = grouped
+        self._probs: list[float] = []
+        self._pending: list[float] = []
+        self._done = 0
+
+    def add(self, probs: list[float]) -> list[tuple[int, int]]:
+        """Regions settled by these frames' probabilities."""
+        self._pending += probs
+        if not self._pending or (self.grouped and len(self._pending) < max(FIRST_BLOCK, len(self._probs) // 4)):
+            return []
+        return self._settle()
+
+    def _settle(self) -> list[tuple[int, int]]:
+        from silero_vad.utils_vad import get_speech_timestamps_from_probs
+
+        self._probs += self._pending
+        self._pending = []
+        length = len(self._probs) * WINDOW
+        found = get_speech_timestamps_from_probs(self._probs, audio_length_samples=length, **self.rules)
+        settled = [(int(r["start"]), int(r["end"])) for r in found[self._done : -2]]
+        self._done = max(self._done, len(found) - 2)
+        return settled
+
+    def finish(self, length: int) -> list[tuple[int, int]]:
+        """The remaining regions, once the stream (`length` samples) has ended."""
+        from silero_vad.utils_vad import get_speech_timestamps_from_probs
+
+        settled = self._settle() if self._pending else []
+        if not self._probs:
+            return settled
+        found = get_speech_timestamps_from_probs(self._probs, audio_length_samples=length, **self.rules)
+        return settled + [(int(r["start"]), int(r["end"])) for r in found[self._done :]]
+
+
+def settled_regions(blocks: Iterable[list[float]], rules: dict[str, Any], length: int) -> Iterator[tuple[int, int]]:
+    """`RegionSettler` over frame probabilities in the blocks given (ungrouped), for `length` samples."""
+    settler = RegionSettler(rules, grouped=False)
     for block in blocks:
-        probs += block
-        found = get_speech_timestamps_from_probs(probs, audio_length_samples=len(probs) * WINDOW, **rules)
-        for region in found[done:-2]:
-            yield int(region["start"]), int(region["end"])
-        done = max(done, len(found) - 2)
-    if probs:
-        for region in get_speech_timestamps_from_probs(probs, audio_length_samples=length, **rules)[done:]:
-            yield int(region["start"]), int(region["end"])
+        yield from settler.add(block)
+    yield from settler.finish(length)
+
+
+class FrameProbabilities:
+    """Silero's speech probability of each 512-sample frame of a stream fed in blocks of any size (the last frame
+    padded with zeros at the end), as `get_speech_timestamps` computes them."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self._rest = np.zeros(0, dtype=np.float32)
+        self.samples = 0  # fed so far
+
+    def feed(self, audio: np.ndarray) -> list[float]:
+        self.samples += audio.size
+        data = np.concatenate([self._rest, audio]) if self._rest.size else audio
+        n = data.size // WINDOW
+        self._rest = data[n * WINDOW :].copy()
+        return self._run(data[: n * WINDOW].reshape(n, WINDOW))
+
+    def finish(self) -> list[float]:
+        rest, self._rest = self._rest, np.zeros(0, dtype=np.float32)
+        if not rest.size:
+            return []
+        return self._run(np.pad(rest, (0, WINDOW - rest.size)).reshape(1, WINDOW))
+
+    def _run(self, frames: np.ndarray) -> list[float]:
+        import torch
+
+        with torch.no_grad():
+            tensor = torch.from_numpy(np.ascontiguousarray(frames, dtype=np.float32))
+            return [float(self._model(frame, SAMPLE_RATE).item()) for frame in tensor]
+
+
+class RegionFinder:
+    """An upload's speech regions while its audio is fed in blocks (`SileroVad.finder`): each `feed` returns the
+    regions that audio settled, `finish` the rest; each region ends within the audio. Blocking (~2.5 ms per second
+    of audio)."""
+
+    def __init__(self, model: Any, rules: dict[str, Any]) -> None:
+        self._probabilities = FrameProbabilities(model)
+        self._settler = RegionSettler(rules)
+
+    @property
+    def samples(self) -> int:
+        return self._probabilities.samples
+
+    def feed(self, audio: np.ndarray) -> list[tuple[int, int]]:
+        return self._within(self._settler.add(self._probabilities.feed(audio)))
+
+    def finish(self) -> list[tuple[int, int]]:
+        tail = self._settler.add(self._probabilities.finish())
+        return self._within(tail + self._settler.finish(self.samples))
+
+    def _within(self, regions: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        return [(start, min(end, self.samples)) for start, end in regions]
 
 
 class SileroVad:
@@ -160,6 +247,13 @@ class SileroVad:
     ) -> Iterator[tuple[int, int]]:
         """`regions`, each yielded as soon as the audio after it can no longer change it, so that a long
         upload's first chunks are decoded while the VAD still listens to the rest. Blocking per step."""
+        finder = self.finder(params, max_seconds)
+        for start in range(0, audio.size, FIRST_BLOCK * WINDOW):
+            yield from finder.feed(audio[start : start + FIRST_BLOCK * WINDOW])
+        yield from finder.finish()
+
+    def finder(self, params: VadParams, max_seconds: float = float("inf")) -> RegionFinder:
+        """A `RegionFinder` with these parameters (regions at most `max_seconds` long, see `regions`)."""
         rules = {
             "threshold": params.threshold,
             "sampling_rate": SAMPLE_RATE,
@@ -168,31 +262,7 @@ class SileroVad:
             "speech_pad_ms": params.prefix_padding_ms,
             "max_speech_duration_s": max_seconds,
         }
-        for start, end in settled_regions(self._probabilities(audio), rules, audio.size):
-            yield start, min(end, audio.size)
-
-    def _probabilities(self, audio: np.ndarray) -> Iterator[list[float]]:
-        """Silero's speech probability of each 512-sample frame (the last one padded with zeros), as
-        `get_speech_timestamps` computes them, in blocks of at least `FIRST_BLOCK` frames that grow with the
-        audio heard (each block costs a rerun of the region rules over all the frames so far)."""
-        import torch
-
-        model = self._fresh()
-        samples = torch.as_tensor(audio, dtype=torch.float32)
-        block: list[float] = []
-        heard = 0
-        with torch.no_grad():
-            for start in range(0, samples.numel(), WINDOW):
-                frame = samples[start : start + WINDOW]
-                if frame.numel() < WINDOW:
-                    frame = torch.nn.functional.pad(frame, (0, WINDOW - frame.numel()))
-                block.append(float(model(frame, SAMPLE_RATE).item()))
-                if len(block) >= max(FIRST_BLOCK, heard // 4):
-                    heard += len(block)
-                    yield block
-                    block = []
-        if block:
-            yield block
+        return RegionFinder(self._fresh(), rules)
 
     def stream(self, params: VadParams) -> SpeechStream:
         return SpeechStream(self, params)

@@ -15,7 +15,8 @@ from app.api import errors
 from app.api.types import hinted_language, hinted_prompt
 from app.server.http.forms import object_field, refuse_unknown, text_fields
 from app.server.http.limits import unless_disconnected
-from app.server.serving.service import LONG_FORM_FIELDS, TranscriptionRequest, TranscriptionService
+from app.server.serving.requests import LONG_FORM_FIELDS, TranscriptionRequest
+from app.server.serving.service import TranscriptionService
 from app.server.serving.status import ServerStatus
 
 router = APIRouter()

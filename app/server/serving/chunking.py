@@ -47,37 +47,76 @@ class Chunk:
         return (self.pieces[k][0] + sample - starts[k]) / SAMPLE_RATE
 
 
+class ChunkPacker:
+    """Packs speech regions, in order, into chunks of at most `max_seconds` of audio (a longer region, which the VAD
+    should not give, is cut): `add` returns the chunks a region closes, `finish` the last one."""
+
+    def __init__(self, max_seconds: float = CHUNK_SECONDS) -> None:
+        self.limit = int(max_seconds * SAMPLE_RATE)
+        self._pieces: list[tuple[int, int]] = []
+        self._size = 0
+
+    def add(self, start: int, end: int) -> list[Chunk]:
+        closed: list[Chunk] = []
+        while end - start > self.limit:  # not from the VAD, which cuts long speech at a pause
+            closed += self.finish()
+            closed.append(Chunk(((start, start + self.limit),)))
+            start += self.limit
+        if self._size + end - start > self.limit:
+            closed += self.finish()
+        self._pieces.append((start, end))
+        self._size += end - start
+        return closed
+
+    def finish(self) -> list[Chunk]:
+        if not self._pieces:
+            return []
+        chunk = Chunk(tuple(self._pieces))
+        self._pieces, self._size = [], 0
+        return [chunk]
+
+
 def plan(regions: Iterable[tuple[int, int]], max_seconds: float = CHUNK_SECONDS) -> Iterator[Chunk]:
-    """Pack speech regions, in order, into chunks of at most `max_seconds` of audio (a longer region, which
-    the VAD should not give, is cut). Each chunk is yielded as soon as the next region does not fit in it."""
-    limit = int(max_seconds * SAMPLE_RATE)
-    pieces: list[tuple[int, int]] = []
-    size = 0
+    """`ChunkPacker` over these regions: each chunk yielded as soon as the next region does not fit in it."""
+    packer = ChunkPacker(max_seconds)
     for start, end in regions:
-        while end - start > limit:  # not from the VAD, which cuts long speech at a pause
-            if pieces:
-                yield Chunk(tuple(pieces))
-                pieces, size = [], 0
-            yield Chunk(((start, start + limit),))
-            start += limit
-        if size + end - start > limit and pieces:
-            yield Chunk(tuple(pieces))
-            pieces, size = [], 0
-        pieces.append((start, end))
-        size += end - start
-    if pieces:
-        yield Chunk(tuple(pieces))
+        yield from packer.add(start, end)
+    yield from packer.finish()
+
+
+class Loudness:
+    """The level of an upload's loud frames (the 95th percentile of 32-ms RMS), from its audio fed in blocks, and
+    the gain that brings it near -20 dBFS (within 0..+40 dB): what the VAD hears under `chunking_strategy=auto`,
+    so that a quiet recording's speech still counts. Holds one number per 512 samples."""
+
+    def __init__(self) -> None:
+        self._levels: list[np.ndarray] = []
+        self._rest = np.zeros(0, dtype=np.float32)
+
+    def feed(self, audio: np.ndarray) -> None:
+        data = np.concatenate([self._rest, audio]) if self._rest.size else audio
+        n = data.size // 512
+        self._rest = data[n * 512 :].copy()
+        frames = data[: n * 512].reshape(-1, 512)
+        if n:
+            self._levels.append(np.sqrt(np.mean(frames.astype(np.float64) ** 2, axis=1)))
+
+    def gain(self) -> float:
+        if not self._levels:
+            return 1.0
+        level = float(np.percentile(np.concatenate(self._levels), 95))
+        return min(MAX_GAIN, max(1.0, TARGET_LEVEL / level)) if level > 0 else 1.0
+
+
+def amplified(audio: np.ndarray, gain: float) -> np.ndarray:
+    return audio if gain == 1.0 else np.clip(audio * gain, -1.0, 1.0).astype(np.float32)
 
 
 def normalized(audio: np.ndarray) -> np.ndarray:
-    """`audio` with its loud frames (the 95th percentile of 32-ms RMS) near -20 dBFS, gain within 0..+40 dB:
-    what the VAD hears under `chunking_strategy=auto`, so that a quiet recording's speech still counts."""
-    frames = audio[: audio.size // 512 * 512].reshape(-1, 512)
-    if frames.size == 0:
-        return audio
-    level = float(np.percentile(np.sqrt(np.mean(frames.astype(np.float64) ** 2, axis=1)), 95))
-    gain = min(MAX_GAIN, max(1.0, TARGET_LEVEL / level)) if level > 0 else 1.0
-    return audio if gain == 1.0 else np.clip(audio * gain, -1.0, 1.0).astype(np.float32)
+    """`audio` as the VAD hears it under `chunking_strategy=auto` (`Loudness`)."""
+    loudness = Loudness()
+    loudness.feed(audio)
+    return amplified(audio, loudness.gain())
 
 
 def _span(chunk: Chunk, start: float, end: float, duration: float) -> tuple[float, float]:

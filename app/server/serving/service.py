@@ -1,31 +1,32 @@
 """The serving layer: the one service that uploads (REST, SSE) and live sessions (realtime) go through.
 
-It validates a request, decodes its audio off the event loop, queues it in its lane, waits for the worker,
-shapes the answer and records it in the metrics; it also admits live sessions (their number is limited).
+An upload is validated (`requests.py`), its audio read in bounded steps on the upload threads (`uploads.py`,
+`admission.FairShare`), admitted to the budget of audio in flight (`admission.AudioBudget`), queued in its lane,
+and its answer shaped and recorded (`replies.py`). Live sessions are admitted here too (their number is limited).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
-from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
-from contextlib import aclosing, contextmanager
-from dataclasses import dataclass, field, replace
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
+from contextlib import aclosing, asynccontextmanager, contextmanager
+from typing import Any, TypeVar
 
 import numpy as np
 
 from app.api import errors
-from app.api.audio import SAMPLE_RATE, AudioError, AudioTooLongError, decode_audio
-from app.api.formats import FORMATS, to_srt, to_verbose_json, to_vtt
-from app.api.types import FALLBACK_TEMPERATURES, DecodingOptions, InvalidRequestError, Segment, Transcription
+from app.api.audio import SAMPLE_RATE, AudioError, AudioTooLongError, EncodedAudio
+from app.api.types import DecodingOptions, Transcription
 from app.server.metrics import ServerMetrics
-from app.server.serving.chunking import CHUNK_SECONDS, Chunk, merge, normalized, plan
+from app.server.serving.admission import Account, AudioBudget, FairShare, OverBudget
+from app.server.serving.chunking import CHUNK_SECONDS, Chunk, merge
 from app.server.serving.models import ModelNames
-from app.server.vad import SileroVad, VadParams, server_vad
+from app.server.serving.replies import Replies, Reply, delta_event, done_event
+from app.server.serving.requests import RequestRules, TranscriptionRequest
+from app.server.serving.uploads import STEP_SAMPLES, AudioScan, Chunking, ChunkScan, chunk_results
+from app.server.vad import SileroVad
 from app.server.worker.client import (
     EngineClient,
     Lane,
@@ -39,123 +40,17 @@ from app.server.worker.client import (
 from app.server.worker.protocol import Job
 from app.settings import Settings
 
+T = TypeVar("T")
+
 NON_AUDIO_TYPES = ("text/", "image/", "application/json", "application/xml", "application/pdf")
-# A `server_vad` object's defaults: OpenAI's for chunking (a 200-ms pause ends speech).
-UPLOAD_VAD = VadParams(threshold=0.5, prefix_padding_ms=300, silence_duration_ms=200)
-# "auto": only pauses of 2 s or more are left out, with 400 ms kept on each side (faster-whisper's VAD defaults).
-# On `bench-audio`'s 10-minute file it kept WER at the sequential long-form's (0.173 against 0.176, where
-# 200/300 gave 0.191), for 1.2x the speed of sequential instead of 1.4x.
-AUTO_VAD = VadParams(threshold=0.5, prefix_padding_ms=400, silence_duration_ms=2000)
-
-
-@dataclass(frozen=True)
-class TranscriptionRequest:
-    """The form fields of `/v1/audio/transcriptions` and `/translations`, as received."""
-
-    data: bytes
-    filename: str | None
-    content_type: str | None
-    model: str
-    task: str
-    language: str | None = None
-    prompt: str | None = None
-    response_format: str = "json"
-    temperature: float = 0.0
-    timestamp_granularities: tuple[str, ...] = ()
-    speculative: bool = True
-    stream: bool = False
-    # "auto", "none", a `server_vad` object, or its JSON; None: as the operator's `default_chunking_strategy`
-    chunking_strategy: str | dict[str, Any] | None = None
-    # openai-whisper's transcribe() options, beam search's included (OpenAI's API has none of them), as sent
-    long_form: dict[str, str] = field(default_factory=dict)
-    include: tuple[str, ...] = ()  # "logprobs": each text token's log-probability in the answer
-
-    @property
-    def logprobs(self) -> bool:
-        return "logprobs" in self.include
-
-
-# openai-whisper's `transcribe()` options an upload may set (form fields of the same names).
-LONG_FORM_FIELDS = (
-    "condition_on_previous_text",
-    "compression_ratio_threshold",
-    "logprob_threshold",
-    "no_speech_threshold",
-    "hallucination_silence_threshold",
-    "clip_timestamps",
-    "beam_size",
-    "best_of",
-    "patience",
-    "length_penalty",
-)
-_INTEGER_FIELDS = ("beam_size", "best_of")
-
-
-@dataclass(frozen=True)
-class Chunking:
-    """How an upload is cut into chunks by the VAD (`normalize`: level its loudness for the VAD first)."""
-
-    params: VadParams
-    normalize: bool
-
-
-@dataclass(frozen=True)
-class Reply:
-    body: str
-    media_type: str
-    metrics: dict[str, Any]
-
-
-def _long_form(raw: dict[str, str]) -> dict[str, Any]:
-    """The `transcribe()` options of an upload's form fields; ApiError naming the field if one is invalid.
-    A threshold of "none" (or "null") turns that check off."""
-    out: dict[str, Any] = {}
-    for name, value in raw.items():
-        text = value.strip()
-        try:
-            if name == "condition_on_previous_text":
-                if text.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError
-                out[name] = text.lower() in ("true", "1")
-            elif name == "clip_timestamps":
-                out[name] = tuple(float(t) for t in text.split(",") if t.strip())
-            elif name in _INTEGER_FIELDS:
-                out[name] = int(text)
-            elif text.lower() in ("none", "null"):
-                out[name] = None
-            else:
-                out[name] = float(text)
-                if not np.isfinite(out[name]):
-                    raise ValueError
-        except ValueError:
-            kind = {"condition_on_previous_text": "true or false", "clip_timestamps": "comma-separated seconds"}
-            kind |= dict.fromkeys(_INTEGER_FIELDS, "a whole number")
-            raise errors.bad_request(
-                f"{name} must be {kind.get(name, 'a number or none')}, got {value[:40]!r}", param=name
-            ) from None
-    return out
+SHORT_UPLOAD_S = 60.0  # an upload this short passes uploads waiting for the audio budget, when it fits
 
 
 def _merged(
-    parts: Sequence[tuple[Chunk, Transcription, float]], audio: np.ndarray, options: DecodingOptions
+    parts: Sequence[tuple[Chunk, Transcription, float]], scan: AudioScan, options: DecodingOptions
 ) -> Transcription:
     """A chunked upload's transcription, from its chunks', in order."""
-    return merge([c for c, _, _ in parts], [t for _, t, _ in parts], audio.size / SAMPLE_RATE, options.language)
-
-
-def _delta(req: TranscriptionRequest, delta: str, segments: Sequence[Segment]) -> dict[str, Any]:
-    """A `transcript.text.delta` event: the new text, and its tokens' log-probabilities when asked for."""
-    event: dict[str, Any] = {"type": "transcript.text.delta", "delta": delta}
-    if req.logprobs:
-        event["logprobs"] = [p.to_dict() for s in segments for p in s.logprobs]
-    return event
-
-
-def _done(req: TranscriptionRequest, t: Transcription, metrics: dict[str, Any]) -> dict[str, Any]:
-    event: dict[str, Any] = {"type": "transcript.text.done", "text": t.text}
-    if req.logprobs:
-        event["logprobs"] = [p.to_dict() for p in t.logprobs]
-    return {**event, "metrics": metrics}
+    return merge([c for c, _, _ in parts], [t for _, t, _ in parts], scan.seconds, options.language)
 
 
 class TooManySessions(Exception):
@@ -170,121 +65,27 @@ class TranscriptionService:
         self.vad = vad
         self.models = ModelNames(settings)
         self.model_id = self.models.served
+        self.rules = RequestRules(settings, self.models)
+        self.replies = Replies(metrics)
+        self.share = FairShare(settings.upload_threads)
+        self.budget = AudioBudget(settings.max_audio_in_flight_s, SHORT_UPLOAD_S, self._budget_changed)
         self.live_sessions = 0
 
-    def _options(self, req: TranscriptionRequest) -> DecodingOptions:
-        self.models.check(req.model)
-        if req.response_format not in FORMATS:
-            raise errors.bad_request(f"response_format must be one of {', '.join(FORMATS)}", param="response_format")
-        granularities = set(req.timestamp_granularities)
-        if not granularities <= {"segment", "word"}:
-            raise errors.bad_request(
-                "timestamp_granularities must be 'segment' and/or 'word'", param="timestamp_granularities[]"
-            )
-        if req.stream and (granularities or req.response_format not in ("json", "text")):
-            raise errors.bad_request(
-                "stream=true streams text: use response_format json or text, without timestamps", param="stream"
-            )
-        if not set(req.include) <= {"logprobs"}:
-            raise errors.bad_request("include[] may only be 'logprobs'", param="include[]")
-        if req.logprobs and req.response_format not in ("json", "verbose_json"):
-            raise errors.bad_request(
-                "include[]=logprobs needs response_format json (or verbose_json)", param="include[]"
-            )
-        if granularities and req.response_format != "verbose_json":
-            raise errors.bad_request(
-                "timestamp_granularities requires response_format=verbose_json", param="timestamp_granularities[]"
-            )
-        timestamps = "word" if "word" in granularities else "none"
-        if timestamps == "none" and req.response_format in ("srt", "vtt", "verbose_json"):
-            timestamps = "segment"
-        options = self._decoding_options(
-            req.task, req.language, req.prompt, req.temperature, timestamps, req.speculative
-        )
-        # temperature 0 means OpenAI's fallback: greedy first, then hotter while a window fails the thresholds
-        ladder = FALLBACK_TEMPERATURES if req.temperature == 0 else (req.temperature,)
-        decoding = {"beam_size": self.settings.default_beam_size} | _long_form(req.long_form)
-        try:
-            return replace(options, temperature=ladder, **decoding)
-        except InvalidRequestError as exc:
-            raise errors.bad_request(str(exc), param=exc.param) from exc
+    def close(self) -> None:
+        self.share.close()
 
-    def _chunking(self, req: TranscriptionRequest) -> Chunking | None:
-        """The request's `chunking_strategy` (else the operator's default); ApiError if it is invalid."""
-        raw = req.chunking_strategy if req.chunking_strategy is not None else self.settings.default_chunking_strategy
-        if isinstance(raw, str) and raw.strip().startswith("{"):
-            try:
-                raw = json.loads(raw)
-            except ValueError as exc:
-                raise errors.bad_request(
-                    f"chunking_strategy is not valid JSON: {exc}", param="chunking_strategy"
-                ) from exc
-        if raw == "none":
-            return None
-        if "clip_timestamps" in req.long_form:  # times of the upload, which chunks do not keep
-            raise errors.bad_request(
-                "clip_timestamps cannot be combined with chunking_strategy", param="clip_timestamps"
-            )
-        if raw == "auto":
-            return Chunking(AUTO_VAD, normalize=True)
-        if not isinstance(raw, dict):
-            raise errors.bad_request(
-                "chunking_strategy must be 'auto', 'none' or a server_vad object", param="chunking_strategy"
-            )
-        try:
-            params = server_vad(raw, "chunking_strategy", UPLOAD_VAD)
-        except InvalidRequestError as exc:
-            raise errors.bad_request(str(exc), param=exc.param) from exc
-        assert params is not None
-        return Chunking(params, normalize=False)
+    def _budget_changed(self) -> None:
+        self.metrics.audio_in_flight.set(self.budget.held)
+        self.metrics.budget_waiting.set(self.budget.waiting)
 
-    def _decoding_options(
-        self,
-        task: str,
-        language: str | None,
-        prompt: str | None,
-        temperature: float = 0.0,
-        timestamps: str = "none",
-        speculative: bool = True,
-    ) -> DecodingOptions:
-        """The engine's options for a request of either kind (upload or live), its model checked already;
-        ApiError if they are invalid."""
-        if not 0.0 <= temperature <= 1.0:
-            raise errors.bad_request("temperature must be between 0 and 1", param="temperature")
-        language = language.strip().lower() if language else None
-        try:
-            return DecodingOptions(
-                language=language or None,
-                task=task,
-                use_assistant=speculative,
-                timestamps=timestamps,  # type: ignore[arg-type]
-                prompt=prompt or None,
-                temperature=temperature,
-            )
-        except InvalidRequestError as exc:
-            raise errors.bad_request(str(exc)) from exc
-
-    async def _audio(self, req: TranscriptionRequest) -> Any:
-        if len(req.data) > self.settings.max_upload_bytes:
-            raise errors.too_large(self.settings.max_upload_bytes)
-        if not req.data:
-            raise errors.bad_request("The audio file is empty.", param="file", code="empty_file")
-        try:
-            return await asyncio.to_thread(decode_audio, req.data, self.settings.max_audio_seconds)
-        except AudioTooLongError as exc:
-            raise errors.bad_request(str(exc), param="file", code="audio_too_long") from exc
-        except AudioError as exc:
-            if req.content_type and req.content_type.startswith(NON_AUDIO_TYPES):
-                raise errors.unsupported_media(f"Unsupported media type {req.content_type}: {exc}") from exc
-            raise errors.bad_request(
-                f"Could not decode the audio file: {exc}", param="file", code="invalid_audio"
-            ) from exc
+    def chunked_hold_s(self) -> float:
+        """What a chunked upload holds at most, in seconds of audio: the chunks being transcribed, a step's block
+        and the chunks it may settle, the follower's blocks."""
+        return self.settings.max_batch * CHUNK_SECONDS + 3 * STEP_SAMPLES / SAMPLE_RATE
 
     # -- live (realtime) transcription -------------------------------------------------------------
     def live_options(self, model: str, language: str | None, prompt: str | None) -> DecodingOptions:
-        """Options of a live transcription: greedy, no timestamps; ApiError if they are invalid."""
-        self.models.check(model)
-        return self._decoding_options("transcribe", language, prompt)
+        return self.rules.live_options(model, language, prompt)
 
     @contextmanager
     def live_session(self) -> Iterator[None]:
@@ -317,7 +118,7 @@ class TranscriptionService:
     def utterance_metrics(self, t: Transcription, queue_ms: float, latency_s: float) -> dict[str, Any]:
         """The `metrics` of a completed live utterance (`latency_ms`: its last audio to now); also recorded."""
         self.metrics.utterance_latency.observe(latency_s)
-        return {**self.request_metrics(t, queue_ms, latency_s * 1000), "latency_ms": round(latency_s * 1000, 2)}
+        return {**self.replies.request_metrics(t, queue_ms, latency_s * 1000), "latency_ms": round(latency_s * 1000, 2)}
 
     @property
     def work_queued(self) -> bool:
@@ -366,83 +167,120 @@ class TranscriptionService:
         queue_ms = (pending.dispatched - pending.enqueued) * 1000 if pending.dispatched else 0.0
         return result.transcription, queue_ms
 
+    # -- uploads ---------------------------------------------------------------------------------------
     async def transcribe(self, req: TranscriptionRequest, request_id: str | None = None) -> Reply:
         started = time.perf_counter()
-        options = self._options(req)
-        chunking = self._chunking(req)
-        audio = await self._audio(req)
         request_id = request_id or uuid.uuid4().hex
-        if chunking is not None:
-            async with aclosing(self._chunk_results(request_id, audio, options, chunking)) as results:
-                parts = [part async for part in results]
-            queue_ms = parts[0][2] if parts else 0.0
-            transcription = _merged(parts, audio, options)
-        else:
-            transcription, queue_ms = await self.result(self.submit(Job(request_id, audio, options)))
-        return self._reply(req, transcription, queue_ms, (time.perf_counter() - started) * 1000)
-
-    # -- chunked uploads -------------------------------------------------------------------------------
-    def _chunks(self, audio: np.ndarray, chunking: Chunking) -> Iterator[Chunk]:
-        """The upload's speech, packed into chunks of at most 30 s, each as soon as the VAD has settled it.
-        Blocking per step (a generator: the first `next` levels the loudness too), each `next` running the
-        VAD only as far as the next chunk."""
-        heard = normalized(audio) if chunking.normalize else audio
-        yield from plan(self.vad.regions_as_found(heard, chunking.params, CHUNK_SECONDS))
-
-    async def _chunk_results(
-        self, request_id: str, audio: np.ndarray, options: DecodingOptions, chunking: Chunking
-    ) -> AsyncGenerator[tuple[Chunk, Transcription, float], None]:
-        """Each chunk with its transcription and queue time, in order. Chunks are queued as the VAD finds them
-        (in a thread, one chunk ahead), at most `max_batch` of a request at once: they fill a batch together,
-        other requests' jobs take turns with them, and the VAD listens on while they are decoded."""
-        chunks = self._chunks(audio, chunking)
-        found: asyncio.Future[Chunk | None] | None = asyncio.ensure_future(asyncio.to_thread(next, chunks, None))
-        queued: deque[tuple[Chunk, asyncio.Future[tuple[Transcription, float]]]] = deque()
-        dispatched = 0
-        try:
-            while True:
-                while found is not None and found.done() and len(queued) < self.settings.max_batch:
-                    chunk = found.result()
-                    found = None if chunk is None else asyncio.ensure_future(asyncio.to_thread(next, chunks, None))
-                    if chunk is not None:
-                        job = Job(f"{request_id}-{dispatched}", chunk.audio(audio), options)
-                        queued.append((chunk, asyncio.ensure_future(self.result(self.submit(job)))))
-                        dispatched += 1
-                if not queued and found is None:
-                    return
-                waits: list[asyncio.Future[Any]] = [queued[0][1]] if queued else []
-                if found is not None and len(queued) < self.settings.max_batch:
-                    waits.append(found)
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                if queued and queued[0][1].done():
-                    chunk, result = queued.popleft()
-                    yield (chunk, *result.result())
-        finally:  # the client went away, or a chunk failed: drop the rest (a VAD step under way ends by itself)
-            for future in [f for _, f in queued] + ([found] if found is not None else []):
-                future.cancel()
-                if future.done() and not future.cancelled():
-                    future.exception()  # retrieved: its error is the one already raised, or moot
+        options, chunking = self.rules.options(req), self.rules.chunking(req)
+        async with self._admitted(req, chunking) as (audio, scan):
+            if chunking is not None:
+                results = self._chunk_results(req, request_id, audio, scan, options, chunking)
+                async with self._audio_errors(req), aclosing(results) as chunks:
+                    parts = [part async for part in chunks]
+                queue_ms = parts[0][2] if parts else 0.0
+                transcription = _merged(parts, scan, options)
+            else:
+                job = Job(request_id, audio, options, samples=scan.samples)
+                transcription, queue_ms = await self.result(self.submit(job))
+        return self.replies.reply(req, transcription, queue_ms, (time.perf_counter() - started) * 1000)
 
     async def transcribe_stream(
         self, req: TranscriptionRequest, request_id: str | None = None
     ) -> AsyncIterator[dict[str, Any]]:
-        """Validate and queue the request now (errors raise here), then return its events:
-        `transcript.text.delta` per segment as windows complete, then `transcript.text.done`."""
+        """Validate the request and read its audio now (errors raise here), then return its events, its place in
+        the audio budget held until they end: `transcript.text.delta` per segment as windows (or chunks)
+        complete, then `transcript.text.done`."""
         started = time.perf_counter()
-        options = self._options(req)
-        chunking = self._chunking(req)
-        audio = await self._audio(req)
         request_id = request_id or uuid.uuid4().hex
-        if chunking is not None:
-            return self._chunked_events(req, request_id, audio, options, chunking, started)
-        pending = self.submit(Job(request_id, audio, options, stream=True))
-        return self._events(req, pending, started)
+        options, chunking = self.rules.options(req), self.rules.chunking(req)
+        admitted = self._admitted(req, chunking)
+        audio, scan = await admitted.__aenter__()
+        try:
+            if chunking is not None:
+                events = self._chunked_events(req, request_id, audio, scan, options, chunking, started)
+            else:
+                pending = self.submit(Job(request_id, audio, options, stream=True, samples=scan.samples))
+                events = self._events(req, pending, started)
+        except BaseException as exc:
+            await admitted.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        return self._holding(events, admitted)
+
+    async def _holding(
+        self, events: AsyncIterator[dict[str, Any]], admitted: Any
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """`events`, the audio budget held until they end (or the client leaves)."""
+        try:
+            async for event in events:
+                yield event
+        finally:
+            await admitted.__aexit__(None, None, None)
+
+    @asynccontextmanager
+    async def _admitted(
+        self, req: TranscriptionRequest, chunking: Chunking | None
+    ) -> AsyncIterator[tuple[EncodedAudio, AudioScan]]:
+        """The upload's audio, checked whole (`AudioScan`, on the upload threads), while it holds its place in
+        the audio budget: ApiError 400/413/415 for bad audio, 429 when the budget's line is full."""
+        if len(req.data) > self.settings.max_upload_bytes:
+            raise errors.too_large(self.settings.max_upload_bytes)
+        if not req.data:
+            raise errors.bad_request("The audio file is empty.", param="file", code="empty_file")
+        audio = EncodedAudio(req.data, self.settings.max_audio_seconds)
+        scan = AudioScan(audio, levels=chunking is not None and chunking.normalize)
+        account = Account()
+        async with self._audio_errors(req):
+            while not scan.done:
+                await self.share.run(account, scan.step)
+        hold = scan.seconds if chunking is None else min(scan.seconds, self.chunked_hold_s())
+        try:
+            async with self.budget.hold(hold, self.engine.retry_after):
+                yield audio, scan
+        except OverBudget as exc:
+            self.metrics.budget_refused.inc()
+            raise errors.queue_full(exc.retry_after) from exc
+
+    @asynccontextmanager
+    async def _audio_errors(self, req: TranscriptionRequest) -> AsyncIterator[None]:
+        """AudioError as the ApiError the client gets: 400 (415 where the upload says it is not audio)."""
+        try:
+            yield
+        except AudioTooLongError as exc:
+            raise errors.bad_request(str(exc), param="file", code="audio_too_long") from exc
+        except AudioError as exc:
+            if req.content_type and req.content_type.startswith(NON_AUDIO_TYPES):
+                raise errors.unsupported_media(f"Unsupported media type {req.content_type}: {exc}") from exc
+            raise errors.bad_request(
+                f"Could not decode the audio file: {exc}", param="file", code="invalid_audio"
+            ) from exc
+
+    def _chunk_results(
+        self,
+        req: TranscriptionRequest,
+        request_id: str,
+        audio: EncodedAudio,
+        scan: AudioScan,
+        options: DecodingOptions,
+        chunking: Chunking,
+    ) -> AsyncGenerator[tuple[Chunk, Transcription, float], None]:
+        """The upload's chunks with their transcriptions and queue times, in order (`uploads.chunk_results`)."""
+        chunks = ChunkScan(audio, lambda: self.vad.finder(chunking.params, CHUNK_SECONDS), scan.gain)
+        account = Account()
+
+        def run(step: Callable[[], T]) -> Any:
+            return self.share.run(account, step)
+
+        def transcribe(k: int, samples: np.ndarray) -> Any:
+            return self.result(self.submit(Job(f"{request_id}-{k}", samples, options, turn=k)))
+
+        return chunk_results(chunks, run, transcribe, self.settings.max_batch)
 
     async def _chunked_events(
         self,
         req: TranscriptionRequest,
         request_id: str,
-        audio: np.ndarray,
+        audio: EncodedAudio,
+        scan: AudioScan,
         options: DecodingOptions,
         chunking: Chunking,
         started: float,
@@ -451,21 +289,23 @@ class TranscriptionService:
         parts: list[tuple[Chunk, Transcription, float]] = []
         sent = False
         try:
-            async with aclosing(self._chunk_results(request_id, audio, options, chunking)) as results:
-                async for part in results:
+            results = self._chunk_results(req, request_id, audio, scan, options, chunking)
+            async with self._audio_errors(req), aclosing(results) as chunks:
+                async for part in chunks:
                     parts.append(part)
                     segments = part[1].segments
                     text = "".join(s.text for s in segments)  # as `merge` joins them
                     delta = text if sent else text.lstrip()
                     if delta.strip():
-                        yield _delta(req, delta, segments)
+                        yield delta_event(req, delta, segments)
                         sent = True
         except errors.ApiError as exc:
             yield {"type": "error", **exc.body()}
             return
-        transcription = _merged(parts, audio, options)
-        reply = self._reply(req, transcription, parts[0][2] if parts else 0.0, (time.perf_counter() - started) * 1000)
-        yield _done(req, transcription, reply.metrics)
+        transcription = _merged(parts, scan, options)
+        total_ms = (time.perf_counter() - started) * 1000
+        reply = self.replies.reply(req, transcription, parts[0][2] if parts else 0.0, total_ms)
+        yield done_event(req, transcription, reply.metrics)
 
     async def _events(
         self, req: TranscriptionRequest, pending: Pending, started: float
@@ -480,7 +320,7 @@ class TranscriptionService:
                 delta = delta if sent else delta.lstrip()
                 if delta:
                     sent += delta
-                    yield _delta(req, delta, segments)
+                    yield delta_event(req, delta, segments)
             try:
                 transcription, queue_ms = await outcome
             except errors.ApiError as exc:
@@ -488,62 +328,9 @@ class TranscriptionService:
                 return
             text, confirmed = transcription.text, sent.strip()
             if text != confirmed and text.startswith(confirmed):
-                yield _delta(req, text[len(confirmed) :], [])
-            reply = self._reply(req, transcription, queue_ms, (time.perf_counter() - started) * 1000)
-            yield _done(req, transcription, reply.metrics)
+                yield delta_event(req, text[len(confirmed) :], [])
+            reply = self.replies.reply(req, transcription, queue_ms, (time.perf_counter() - started) * 1000)
+            yield done_event(req, transcription, reply.metrics)
         finally:
             if not outcome.done():
                 outcome.cancel()
-
-    def request_metrics(self, t: Transcription, queue_ms: float, total_ms: float) -> dict[str, Any]:
-        """The `metrics` object of a response; also recorded in Prometheus."""
-        m = t.metrics
-        metrics = {
-            "queue_ms": round(queue_ms, 2),
-            "encode_ms": m.encode_ms,
-            "decode_ms": m.decode_ms,
-            "total_ms": round(total_ms, 2),
-            "audio_seconds": m.audio_seconds,
-            "tokens": m.tokens,
-            "drafted": m.draft_proposed,
-            "accepted": m.draft_accepted,
-            "acceptance_rate": m.acceptance_rate,
-            "tokens_per_main_pass": m.tokens_per_main_pass,
-            "batch_size": m.batch_size,
-            "real_time_factor": round(total_ms / 1000 / m.audio_seconds, 4) if m.audio_seconds else 0.0,
-            "speculative": m.speculative,
-            "decoding": m.decoding,
-            "beam_size": m.beam_size,
-        }
-        self._observe(metrics)
-        self.metrics.decoded_tokens.labels(m.decoding).inc(m.tokens)
-        self.metrics.main_passes.labels(m.decoding).inc(m.main_passes)
-        return metrics
-
-    def _reply(self, req: TranscriptionRequest, t: Transcription, queue_ms: float, total_ms: float) -> Reply:
-        metrics = self.request_metrics(t, queue_ms, total_ms)
-        fmt = req.response_format
-        if fmt == "text":
-            return Reply(t.text + "\n", "text/plain; charset=utf-8", metrics)
-        if fmt == "srt":
-            return Reply(to_srt(t), "text/plain; charset=utf-8", metrics)
-        if fmt == "vtt":
-            return Reply(to_vtt(t), "text/vtt; charset=utf-8", metrics)
-        if fmt == "verbose_json":
-            body = to_verbose_json(t, req.task, words="word" in req.timestamp_granularities)
-        else:
-            body = {"text": t.text}
-        if req.logprobs:
-            body["logprobs"] = [p.to_dict() for p in t.logprobs]
-        body["metrics"] = metrics
-        return Reply(json.dumps(body, ensure_ascii=False), "application/json", metrics)
-
-    def _observe(self, m: dict[str, Any]) -> None:
-        self.metrics.queue_seconds.observe(m["queue_ms"] / 1000)
-        self.metrics.encode_seconds.observe(m["encode_ms"] / 1000)
-        self.metrics.decode_seconds.observe(m["decode_ms"] / 1000)
-        self.metrics.total_seconds.observe(m["total_ms"] / 1000)
-        self.metrics.audio_seconds.inc(m["audio_seconds"])
-        self.metrics.tokens.inc(m["tokens"])
-        self.metrics.draft_proposed.inc(m["drafted"])
-        self.metrics.draft_accepted.inc(m["accepted"])

@@ -45,6 +45,7 @@ class ServerStatus:
         """The Prometheus text exposition, with the queue and worker gauges read now."""
         m, health = self.metrics, self.engine.health()
         m.queue_depth.set(self.engine.depth)
+        m.upload_steps_waiting.set(self.service.share.waiting)
         m.worker_up.set(1 if health.is_ready else 0)
         m.worker_restarts.set(health.restarts)
         return generate_latest(m.registry)
@@ -72,6 +73,7 @@ class ServerStatus:
             "drafted": _total(s, "specwhisper_draft_proposed_total"),
             "accepted": _total(s, "specwhisper_draft_accepted_total"),
             "realtime_sessions": self.service.live_sessions,
+            "audio_in_flight_s": round(self.service.budget.held, 1),
             "worker_restarts": health.restarts,
         }
 

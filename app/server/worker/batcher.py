@@ -76,7 +76,7 @@ class Batcher:
 
     @property
     def queued_samples(self) -> int:
-        return sum(p.job.audio.size for q in self.lanes.values() for p in q if not p.future.done())
+        return sum(p.job.length for q in self.lanes.values() for p in q if not p.future.done())
 
     def submit(self, job: Job, lane: Lane = Lane.UPLOAD) -> Pending:
         if self._closed:
@@ -88,7 +88,7 @@ class Batcher:
             raise QueueFull(self.retry_after())
         # The queue holds decoded audio (4 bytes a sample); a long file waits only where it fits.
         budget = self.max_queued_samples
-        if budget is not None and self.depth and self.queued_samples + job.audio.size > budget:
+        if budget is not None and self.depth and self.queued_samples + job.length > budget:
             raise QueueFull(self.retry_after())
         progress: asyncio.Queue[list[Segment]] | None = asyncio.Queue() if job.stream else None
         pending = Pending(job, asyncio.get_running_loop().create_future(), lane, progress)
@@ -133,8 +133,17 @@ class Batcher:
             return partials.popleft()
         for lane in Lane:
             if self.lanes[lane] and lane is not apart:
-                return self.lanes[lane].popleft()
+                return self._next_in(self.lanes[lane])
         return None
+
+    @staticmethod
+    def _next_in(q: deque[Pending]) -> Pending:
+        """The job of the lowest `turn` (the earliest of them): a chunked upload's later chunks let the first job
+        of every other upload go first, so that a short upload never waits behind an hour-long one."""
+        best = min(range(len(q)), key=lambda i: q[i].job.turn)
+        pending = q[best]
+        del q[best]
+        return pending
 
     @staticmethod
     def _apart(batch: list[Pending]) -> Lane | None:

@@ -16,6 +16,9 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from app.api.audio import AudioError
 from app.api.types import InvalidRequestError, Segment
 from app.engine.heap import heap_trimmer
 from app.server.worker.policy import BatchCost, Mode, ModePolicy
@@ -69,18 +72,21 @@ class BatchRunner:
         valid: list[Job] = []
         results: dict[str, JobResult] = {}
         mode: Mode | None = None
+        audio: list[np.ndarray] = []
         for job in batch.jobs:
             try:
-                self.engine.check(job.options, job.audio)  # a bad request fails alone, not its batch
+                samples = job.decoded()
+                self.engine.check(job.options, samples)  # a bad request fails alone, not its batch
                 valid.append(job)
-            except InvalidRequestError as exc:
+                audio.append(samples)
+            except (InvalidRequestError, AudioError) as exc:
                 results[job.request_id] = JobResult(job.request_id, error=str(exc))
         if valid:
-            mode, done = self._transcribe(valid, batch.batch_id)
+            mode, done = self._transcribe(valid, audio, batch.batch_id)
             results.update(done)
         return BatchResult(batch.batch_id, [results[j.request_id] for j in batch.jobs], mode, self.policy.estimates())
 
-    def _transcribe(self, jobs: list[Job], batch_id: int) -> tuple[Mode, dict[str, JobResult]]:
+    def _transcribe(self, jobs: list[Job], audio: list[np.ndarray], batch_id: int) -> tuple[Mode, dict[str, JobResult]]:
         eligible = self.engine.drafter is not None and any(j.options.use_assistant for j in jobs)
         rows = sum(j.options.rows for j in jobs)  # what a pass carries: a beam's hypotheses count one each
         mode: Mode = self.policy.choose(rows) if eligible else "plain"
@@ -93,7 +99,7 @@ class BatchRunner:
 
         try:
             out = self.engine.transcribe(
-                [j.audio for j in jobs],
+                audio,
                 options,
                 on_segments=progress,
                 cancelled=lambda i: self.cancelled(jobs[i].request_id),

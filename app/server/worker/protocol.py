@@ -6,16 +6,31 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from app.api.audio import EncodedAudio
 from app.api.types import DecodingOptions, Segment, Transcription
 from app.server.worker.policy import Estimate, Mode
 
 
 @dataclass(frozen=True)
 class Job:
+    """A clip to transcribe: its 16-kHz samples, or an upload still encoded (a few hundred kB where its samples
+    would be hundreds of MB), which the worker decodes; then `samples` is its decoded length."""
+
     request_id: str
-    audio: np.ndarray
+    audio: np.ndarray | EncodedAudio
     options: DecodingOptions
     stream: bool = False  # send Progress messages as windows complete
+    samples: int = 0
+    turn: int = 0  # jobs of the same request queued before it (a chunked upload's k-th chunk: k)
+
+    @property
+    def length(self) -> int:
+        """Its samples at 16 kHz."""
+        return self.audio.size if isinstance(self.audio, np.ndarray) else self.samples
+
+    def decoded(self) -> np.ndarray:
+        """Its samples (AudioError if encoded audio does not decode)."""
+        return self.audio if isinstance(self.audio, np.ndarray) else self.audio.decode()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,177 @@
+"""What an upload may cost the web process: a share of its threads, and a place in the budget of audio in flight.
+
+`FairShare` runs the blocking work of uploads (decoding, levelling, the VAD), one bounded step at a time, on a
+few threads of their own: the step of the request that has used the least thread time goes first, so a short
+upload is decoded between two steps of an hour-long one, and the event loop's default threads stay free.
+
+`AudioBudget` admits uploads by the seconds of audio they hold at once: a chunked upload holds a few chunks and
+blocks, whatever its length; a single-block upload holds all of it (decoded in the worker). A request that does
+not fit waits in line; one that would make the line longer than the whole budget is refused (429).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass
+class Account:
+    """One request's use of the upload threads (seconds)."""
+
+    used: float = 0.0
+
+
+class FairShare:
+    """`threads` threads for the uploads' blocking steps, given to the waiting step whose request has used the
+    least time so far (ties: the earliest)."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="upload")
+        self._free = threads
+        self._line: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._order = itertools.count()
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for _, _, f in self._line if not f.done())
+
+    async def run(self, account: Account, step: Callable[[], T]) -> T:
+        """Run `step` on an upload thread when its turn comes. Cancelled while it runs, the step still finishes
+        (a thread cannot be stopped) and keeps its thread until then."""
+        await self._turn(account.used)
+        loop = asyncio.get_running_loop()
+
+        def timed() -> T:
+            started = time.perf_counter()
+            try:
+                return step()
+            finally:
+                account.used += time.perf_counter() - started
+
+        try:
+            future: Future[T] = self._executor.submit(timed)
+        except BaseException:
+            self._release()
+            raise
+        future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._release))
+        return await asyncio.wrap_future(future)
+
+    async def _turn(self, used: float) -> None:
+        if self._free > 0 and not self._line:
+            self._free -= 1
+            return
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._line, (used, next(self._order), turn))
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():  # given the thread just as it was cancelled: pass it on
+                self._release()
+            raise
+
+    def _release(self) -> None:
+        while self._line:
+            _, _, turn = heapq.heappop(self._line)
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self._free += 1
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class OverBudget(Exception):
+    """The line for the audio budget is full: try again after `retry_after` seconds."""
+
+    def __init__(self, retry_after: int) -> None:
+        super().__init__(f"retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+@dataclass(eq=False)
+class _Waiter:
+    seconds: float
+    admitted: asyncio.Future[None]
+
+
+class AudioBudget:
+    """At most `seconds` of audio held by uploads at once. A request that fits is admitted at once unless others
+    wait (then only if it is short: `short_seconds` or less, so that a short upload never waits behind a long
+    one); the others wait in line, first come first served, unless the line already holds `seconds` of audio:
+    then OverBudget. Used from the event loop only."""
+
+    def __init__(self, seconds: float, short_seconds: float, on_change: Callable[[], None] | None = None) -> None:
+        self.seconds = seconds
+        self.short_seconds = short_seconds
+        self.held = 0.0
+        self._holders = 0
+        self._line: list[_Waiter] = []
+        self._on_change = on_change or (lambda: None)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._line)
+
+    @property
+    def waiting_seconds(self) -> float:
+        return sum(w.seconds for w in self._line)
+
+    @asynccontextmanager
+    async def hold(self, seconds: float, retry_after: Callable[[], int]) -> AsyncIterator[None]:
+        """Hold `seconds` (at most the whole budget) of the budget while the block runs; waits for room, or raises
+        OverBudget (with `retry_after()` seconds) when the line is full."""
+        seconds = min(seconds, self.seconds)
+        if self._fits(seconds) and (not self._line or seconds <= self.short_seconds):
+            self._take(seconds)
+        else:
+            if self.waiting_seconds + seconds > self.seconds:
+                raise OverBudget(retry_after())
+            waiter = _Waiter(seconds, asyncio.get_running_loop().create_future())
+            self._line.append(waiter)
+            self._on_change()
+            try:
+                await waiter.admitted
+            except asyncio.CancelledError:
+                if waiter in self._line:
+                    self._line.remove(waiter)
+                elif waiter.admitted.done() and not waiter.admitted.cancelled():
+                    self._give_back(seconds)
+                self._admit()
+                raise
+        self._on_change()
+        try:
+            yield
+        finally:
+            self._give_back(seconds)
+
+    def _fits(self, seconds: float) -> bool:
+        return self.held + seconds <= self.seconds + 1e-9
+
+    def _take(self, seconds: float) -> None:
+        self.held += seconds
+        self._holders += 1
+
+    def _give_back(self, seconds: float) -> None:
+        self._holders -= 1
+        self.held = self.held - seconds if self._holders else 0.0  # no rounding left over once all are back
+        self._admit()
+        self._on_change()
+
+    def _admit(self) -> None:
+        while self._line and self._fits(self._line[0].seconds):
+            waiter = self._line.pop(0)
+            if not waiter.admitted.done():
+                self._take(waiter.seconds)
+                waiter.admitted.set_result(None)

@@ -1,0 +1,311 @@
+"""`python -m app storm`: long audio in small files against one server, with the costs it must stay within.
+
+What a stranger can send for a few hundred kB: hour-long FLAC files of silence (they compress to almost
+nothing) and of speech. The command starts a server (or takes `--url` and `--server-pid`) and measures:
+
+1. idle: a short clip's upload latency (the median of 5), the server's resident memory;
+2. one long silent upload alone: how much it raises the web process's peak memory;
+3. the storm: `--silent` long silent uploads and `--speech` long speech uploads at once, while a client keeps
+   uploading the short clip and a live session keeps streaming; every answer's status, the short clip's
+   answers and latencies, the live session's finals, the whole server's peak memory (web + worker), restarts.
+
+Prints one JSON report with a verdict against the targets (`--max-memory-mb`, `--max-one-mb`, `--max-slowdown`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import re
+import statistics
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from app.tools.process import ServerProcess
+
+SR = 16000
+SHORT_CLIP = "whisper/jfk"
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of a live process (MB); 0 once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0.0
+    found = re.search(r"^VmRSS:\s+(\d+)", status, re.M)
+    return int(found.group(1)) / 1024 if found else 0.0
+
+
+class PeakSampler:
+    """Samples the total resident memory of some processes every 20 ms in a thread; `peak` since `reset`."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.peak = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, sum(rss_mb(p) for p in self.pids))
+
+    def now(self) -> float:
+        return sum(rss_mb(p) for p in self.pids)
+
+    def reset(self) -> None:
+        self.peak = self.now()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def flac(samples: np.ndarray) -> bytes:
+    import soundfile as sf
+
+    out = io.BytesIO()
+    sf.write(out, samples, SR, format="FLAC", subtype="PCM_16")
+    return out.getvalue()
+
+
+def long_speech(manifest: Path, seconds: float) -> np.ndarray:
+    """Benchdata's English clips, one after another with a half-second pause, repeated to `seconds`."""
+    from app.api.audio import load_audio
+    from app.tools.manifest import read_manifest
+
+    clips = [c for c in read_manifest(manifest) if c.language == "en"][:20]
+    gap = np.zeros(SR // 2, np.float32)
+    once = np.concatenate([x for c in clips for x in (load_audio(c.audio), gap)])
+    return np.resize(once, int(seconds * SR))
+
+
+@dataclass
+class Storm:
+    url: str
+    short: bytes
+    short_text: str = ""
+    statuses: Counter[str] = field(default_factory=Counter)
+    short_latencies: list[float] = field(default_factory=list)
+    short_wrong: int = 0
+    short_statuses: Counter[str] = field(default_factory=Counter)
+    live_finals: list[float] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    async def upload(self, data: bytes, name: str, **fields: str) -> tuple[int, float, str]:
+        import httpx
+
+        started = time.perf_counter()
+        try:
+            async with httpx.AsyncClient(timeout=1800) as client:
+                r = await client.post(
+                    f"{self.url}/v1/audio/transcriptions",
+                    data={"model": "whisper-1", **fields},
+                    files={"file": (name, data, "audio/flac")},
+                )
+        except httpx.HTTPError as exc:
+            self.failures.append(f"{name}: {type(exc).__name__}: {exc}")
+            return 0, time.perf_counter() - started, ""
+        text = r.json().get("text", "") if r.status_code == 200 else r.text[:200]
+        return r.status_code, time.perf_counter() - started, text
+
+    async def short_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            status, latency, text = await self.upload(self.short, "short.wav")
+            self.short_statuses[str(status)] += 1
+            if status == 200:
+                self.short_latencies.append(latency)
+                self.short_wrong += text != self.short_text
+            await asyncio.sleep(0.2)
+
+    async def live_loop(self, speech: np.ndarray, stop: asyncio.Event) -> None:
+        """One session, server VAD, streaming speech in real time (100-ms chunks) until `stop`: the time of each
+        final."""
+        import base64
+
+        from websockets.asyncio.client import connect
+
+        pcm = (np.clip(speech, -1, 32767 / 32768) * 32768).astype("<i2")
+        step = SR // 10
+        ws_url = self.url.replace("http://", "ws://") + "/v1/realtime?intent=transcription"
+        async with connect(ws_url, max_size=None) as ws:
+            session = {"input_audio_format": "pcm16", "input_audio_sample_rate": 16000}
+            await ws.send(json.dumps({"type": "transcription_session.update", "session": session}))
+
+            async def send() -> None:
+                position = 0
+                while not stop.is_set():
+                    chunk = pcm[position % pcm.size : position % pcm.size + step]
+                    position += step
+                    audio = base64.b64encode(chunk.tobytes()).decode()
+                    await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": audio}))
+                    await asyncio.sleep(0.1)
+
+            sender = asyncio.create_task(send())
+            try:
+                while not stop.is_set():
+                    try:
+                        event = json.loads(await asyncio.wait_for(ws.recv(), 1.0))
+                    except TimeoutError:
+                        continue
+                    if event["type"].endswith("transcription.completed"):
+                        self.live_finals.append(time.monotonic())
+                    elif event["type"] == "error" or event["type"].endswith("transcription.failed"):
+                        self.failures.append(f"live: {event}")
+            finally:
+                sender.cancel()
+
+
+async def storm(args: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+
+    from app.tools.manifest import default_manifest, read_manifest
+
+    manifest = args.manifest or default_manifest()
+    clips = {c.id: c for c in read_manifest(manifest)}
+    short = Path(clips[SHORT_CLIP].audio).read_bytes()
+    seconds = args.minutes * 60
+    silent = flac(np.zeros(int(seconds * SR), np.int16))
+    speech_audio = long_speech(manifest, seconds)
+    speech = flac(speech_audio)
+    server: ServerProcess | None = None
+    log = args.log or Path(tempfile.mkdtemp(prefix="specwhisper-storm-")) / "server.log"
+    url, web_pid = args.url, args.server_pid
+    if url is None:
+        server = ServerProcess(log=log).launch()
+        url, web_pid = server.url, server.proc.pid if server.proc else None
+    try:
+        if server is not None:
+            await asyncio.to_thread(server.wait_ready, 300)
+        url = url.rstrip("/")
+        ready = httpx.get(f"{url}/health/ready", timeout=10).json()
+        pids = [p for p in (web_pid, ready.get("worker_pid")) if p]
+        web = PeakSampler([web_pid] if web_pid else [])
+        whole = PeakSampler(pids)
+        run = Storm(url, short)
+        _, _, run.short_text = await run.upload(short, "short.wav")
+        idle = []
+        for _ in range(5):
+            _, latency, _ = await run.upload(short, "short.wav")
+            idle.append(latency)
+        idle_latency = statistics.median(idle)
+        await asyncio.sleep(1.0)
+        idle_web, idle_whole = web.now(), whole.now()
+
+        web.reset()
+        status, one_s, _ = await run.upload(silent, "silence.flac", chunking_strategy=args.chunking)
+        one = {"status": status, "seconds": round(one_s, 1), "web_peak_rise_mb": round(web.peak - idle_web, 1)}
+
+        whole.reset()
+        stop = asyncio.Event()
+        side = [asyncio.create_task(run.short_loop(stop)), asyncio.create_task(run.live_loop(speech_audio, stop))]
+        await asyncio.sleep(3.0)  # the live session under way
+        started = time.monotonic()
+        uploads = [run.upload(silent, f"silence-{k}.flac", chunking_strategy=args.chunking) for k in range(args.silent)]
+        uploads += [
+            run.upload(speech, f"speech-{k}.flac", chunking_strategy=args.speech_chunking) for k in range(args.speech)
+        ]
+        answers = await asyncio.gather(*uploads)
+        storm_s = time.monotonic() - started
+        stop.set()
+        await asyncio.gather(*side, return_exceptions=True)
+        for status, _, _ in answers:
+            run.statuses[str(status)] += 1
+        finals = [t for t in run.live_finals if t >= started]
+        gaps = np.diff([started, *finals, started + storm_s]).tolist()
+        after = httpx.get(f"{url}/health/ready", timeout=10).json()
+        web.stop()
+        whole.stop()
+        slowest = max(run.short_latencies, default=float("inf"))
+        checks = {
+            "one_upload_web_rise_mb": {
+                "value": one["web_peak_rise_mb"],
+                "ok": one["web_peak_rise_mb"] <= args.max_one_mb,
+            },
+            "storm_peak_mb": {"value": round(whole.peak, 1), "ok": whole.peak <= args.max_memory_mb},
+            "storm_200_or_429": {
+                "value": dict(run.statuses),
+                "ok": set(run.statuses) <= {"200", "429"} and not run.failures,
+            },
+            "short_uploads_correct": {
+                "value": {"answers": dict(run.short_statuses), "wrong": run.short_wrong},
+                "ok": run.short_wrong == 0 and set(run.short_statuses) <= {"200"} and bool(run.short_latencies),
+            },
+            "short_upload_slowdown": {
+                "value": round(slowest / idle_latency, 2),
+                "ok": slowest <= args.max_slowdown * idle_latency,
+            },
+            "live_finals_keep_arriving": {
+                "value": {"finals": len(finals), "longest_gap_s": round(max(gaps), 1)},
+                "ok": bool(finals) and max(gaps) <= args.max_final_gap_s,
+            },
+            "no_restart": {
+                "value": [ready.get("worker_restarts"), after.get("worker_restarts")],
+                "ok": after.get("worker_restarts") == ready.get("worker_restarts"),
+            },
+        }
+        return {
+            "url": url,
+            "minutes": args.minutes,
+            "upload_bytes": {"silent": len(silent), "speech": len(speech)},
+            "idle": {
+                "short_latency_s": round(idle_latency, 3),
+                "web_mb": round(idle_web, 1),
+                "server_mb": round(idle_whole, 1),
+            },
+            "one_silent_upload": one,
+            "storm": {
+                "silent": args.silent,
+                "speech": args.speech,
+                "seconds": round(storm_s, 1),
+                "answers": [{"status": s, "seconds": round(t, 1)} for s, t, _ in answers],
+                "server_peak_mb": round(whole.peak, 1),
+                "short_latency_s": {
+                    "median": round(statistics.median(run.short_latencies), 3) if run.short_latencies else None,
+                    "max": round(slowest, 3),
+                },
+                "failures": run.failures[:5],
+            },
+            "checks": checks,
+            "passed": all(c["ok"] for c in checks.values()),
+            "server_log": str(log),
+        }
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--minutes", type=float, default=59.0, help="length of each long upload")
+    parser.add_argument("--silent", type=int, default=16, help="long silent uploads sent at once")
+    parser.add_argument("--speech", type=int, default=4, help="long speech uploads sent with them")
+    parser.add_argument("--chunking", default="auto", help="the silent uploads' chunking_strategy")
+    parser.add_argument("--speech-chunking", default="auto", help="the speech uploads' chunking_strategy")
+    parser.add_argument("--max-memory-mb", type=float, default=1500.0, help="target: the server's peak in the storm")
+    parser.add_argument("--max-one-mb", type=float, default=100.0, help="target: one silent upload's web rise")
+    parser.add_argument("--max-slowdown", type=float, default=3.0, help="target: short upload latency / idle")
+    parser.add_argument("--max-final-gap-s", type=float, default=30.0, help="target: longest time without a final")
+    parser.add_argument("--manifest", type=Path, help="benchdata manifest.jsonl (default: ../shared/benchdata)")
+    parser.add_argument("--url", help="a running server (default: start one on a free loopback port)")
+    parser.add_argument("--server-pid", type=int, help="its web process id (memory is read from /proc)")
+    parser.add_argument("--log", type=Path, help="server log file (default: a temporary folder)")
+    parser.add_argument("--json", type=Path, help="also write the report here")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    report = asyncio.run(storm(args))
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text)
+    return 0 if report["passed"] else 1

@@ -1,0 +1,133 @@
+"""What an upload may cost the web process (app/server/serving/admission.py): the upload threads, shared by the
+time each request has used, and the budget of audio in flight, with its line and its refusals."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from app.server.serving.admission import Account, AudioBudget, FairShare, OverBudget
+
+
+def test_a_fresh_request_s_step_goes_before_long_ones_next_steps() -> None:
+    """One thread, two long uploads taking turns, 20-ms steps: a short upload that arrives mid-way runs its step
+    as soon as the running step ends, before the step of the long upload waiting in line; steps never overlap."""
+
+    async def main() -> tuple[list[str], int]:
+        share, order = FairShare(1), []
+        running = threading.Lock()
+
+        def step(name: str) -> None:
+            assert running.acquire(blocking=False), "two steps ran at once on one thread"
+            time.sleep(0.02)
+            order.append(name)
+            running.release()
+
+        async def upload(name: str, steps: int) -> None:
+            account = Account()
+            for _ in range(steps):
+                await share.run(account, lambda: step(name))
+
+        longs = [asyncio.create_task(upload(name, 8)) for name in ("a", "b")]
+        await asyncio.sleep(0.07)
+        arrived = len(order)
+        await upload("short", 1)
+        await asyncio.gather(*longs)
+        share.close()
+        return order, arrived
+
+    order, arrived = asyncio.run(main())
+    assert order.index("short") <= arrived + 1, order  # at most the step running when it came goes first
+    assert order.count("a") == order.count("b") == 8
+    assert "a" in order[:4] and "b" in order[:4]  # the two long ones take turns
+
+
+def test_a_cancelled_step_keeps_its_thread_until_it_ends() -> None:
+    """A request that goes away mid-step: its step finishes on the thread, and only then does the next one start."""
+
+    async def main() -> tuple[float, float]:
+        share = FairShare(1)
+        ended: list[float] = []
+
+        def slow() -> None:
+            time.sleep(0.2)
+            ended.append(time.perf_counter())
+
+        first = asyncio.create_task(share.run(Account(), slow))
+        await asyncio.sleep(0.02)
+        first.cancel()
+        started: list[float] = []
+        await share.run(Account(), lambda: started.append(time.perf_counter()))
+        share.close()
+        return ended[0], started[0]
+
+    ended, started = asyncio.run(main())
+    assert started >= ended
+
+
+def test_the_audio_budget_admits_waits_and_refuses() -> None:
+    """A budget of 100 s: 60 and 30 run at once; 50 and 40 wait (a line of 90 s); 20 more would make the line
+    longer than the budget: 429 with the Retry-After given. A short 5-s upload passes the line (it fits). When the
+    first ends, the line is admitted in order, each when it fits."""
+
+    async def main() -> list[str]:
+        budget, events = AudioBudget(100, short_seconds=5), []
+
+        async def upload(name: str, seconds: float, hold: asyncio.Event) -> None:
+            async with budget.hold(seconds, lambda: 7):
+                events.append(f"in {name}")
+                await hold.wait()
+            events.append(f"out {name}")
+
+        gates = {name: asyncio.Event() for name in ("a", "b", "c", "d", "short")}
+        tasks = [asyncio.create_task(upload("a", 60, gates["a"])), asyncio.create_task(upload("b", 30, gates["b"]))]
+        await asyncio.sleep(0)
+        tasks.append(asyncio.create_task(upload("c", 50, gates["c"])))
+        tasks.append(asyncio.create_task(upload("d", 40, gates["d"])))
+        await asyncio.sleep(0)
+        assert budget.held == 90 and budget.waiting == 2
+        with pytest.raises(OverBudget) as refused:
+            async with budget.hold(20, lambda: 7):
+                pass
+        assert refused.value.retry_after == 7
+        tasks.append(asyncio.create_task(upload("short", 5, gates["short"])))
+        await asyncio.sleep(0)
+        assert "in short" in events and budget.held == 95
+        gates["short"].set()
+        gates["a"].set()
+        await asyncio.sleep(0.01)
+        assert "in c" in events and "in d" not in events  # 30 + 50 held; d (40) waits for room
+        for gate in gates.values():
+            gate.set()
+        await asyncio.gather(*tasks)
+        assert budget.held == 0 and budget.waiting == 0
+        return events
+
+    events = asyncio.run(main())
+    assert events.index("in c") < events.index("in d")
+
+
+def test_an_upload_that_leaves_the_line_frees_its_place() -> None:
+    async def main() -> tuple[float, int]:
+        budget = AudioBudget(10, short_seconds=1)
+        release = asyncio.Event()
+
+        async def holder() -> None:
+            async with budget.hold(10, lambda: 1):
+                await release.wait()
+
+        first = asyncio.create_task(holder())
+        await asyncio.sleep(0)
+        waiting = asyncio.create_task(holder())
+        await asyncio.sleep(0)
+        assert budget.waiting == 1
+        waiting.cancel()
+        await asyncio.sleep(0)
+        release.set()
+        await first
+        return budget.held, budget.waiting
+
+    assert asyncio.run(main()) == (0, 0)

@@ -1,0 +1,103 @@
+"""Long audio in small files against a real server: an upload's cost to the web process is bounded, the audio in
+flight is budgeted (a line, then 429), and short uploads are answered, right, while long ones are read.
+
+The storm here is small (20-minute files, a budget of ~2 chunked uploads); `python -m app storm` runs the full
+one (16 silent + 4 speech hour-long files) with the targets of docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import re
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+
+from tests.server import ServerProcess, server_fixture
+from tests.server import metric as server_metric
+
+pytestmark = pytest.mark.server
+
+SHORT_CLIP = "audio/ljspeech/LJ001-0002.wav"
+SHORT_TEXT = "in being comparatively modern."
+
+# A chunked upload holds 4 x 30 s of chunks plus 3 x 65.5 s of blocks: 316.6 s; a budget of 700 s admits two at
+# once and lets a line of two more wait.
+server = server_fixture({"SPECWHISPER_MAX_AUDIO_IN_FLIGHT_S": "700"}, name="long-uploads")
+
+
+@pytest.fixture(scope="module")
+def silence() -> bytes:
+    """20 minutes of digital silence: a 60-kB FLAC file, 77 MB as float32."""
+    out = io.BytesIO()
+    sf.write(out, np.zeros(20 * 60 * 16000, np.int16), 16000, format="FLAC", subtype="PCM_16")
+    return out.getvalue()
+
+
+def _peak_kb(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"^VmHWM:\s+(\d+)", status, re.M).group(1))  # type: ignore[union-attr]
+
+
+async def _upload(client: httpx.AsyncClient, url: str, data: bytes, **fields: str) -> httpx.Response:
+    files = {"file": ("a.flac", data, "audio/flac")}
+    return await client.post(f"{url}/v1/audio/transcriptions", data={"model": "whisper-1", **fields}, files=files)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="resets the peak through /proc")
+def test_a_long_silent_upload_costs_the_web_process_little(server: ServerProcess, silence: bytes) -> None:
+    """20 minutes of silence (77 MB of float32 when decoded whole; the web process's peak rose by ~3x that when it
+    was): its peak rises by less than 100 MB, and the answer is empty text lasting 1200 s."""
+    assert server.proc is not None
+    pid = server.proc.pid
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # the peak (VmHWM) starts again from now
+    before = _peak_kb(pid)
+    r = httpx.post(
+        f"{server.url}/v1/audio/transcriptions",
+        data={"model": "whisper-1", "chunking_strategy": "auto", "response_format": "verbose_json"},
+        files={"file": ("a.flac", silence, "audio/flac")},
+        timeout=300,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["text"] == "" and r.json()["duration"] == 1200.0
+    assert _peak_kb(pid) - before < 100 * 1024
+
+
+def test_a_storm_of_long_uploads_is_budgeted_and_short_ones_go_on(
+    server: ServerProcess, silence: bytes, benchdata: Path
+) -> None:
+    """Six 20-minute uploads at once, a budget for two: two run, two wait in line, two get 429 in OpenAI's shape with
+    Retry-After; /metrics shows the audio in flight and the line meanwhile. A short upload sent again and again
+    throughout is answered each time, with its text."""
+    short = (benchdata / SHORT_CLIP).read_bytes()
+
+    async def main() -> tuple[list[httpx.Response], list[httpx.Response], tuple[float, float]]:
+        async with httpx.AsyncClient(timeout=600) as client:
+            storm = [asyncio.create_task(_upload(client, server.url, silence, chunking_strategy="auto"))]
+            await asyncio.sleep(0.5)  # the first one is admitted first
+            storm += [
+                asyncio.create_task(_upload(client, server.url, silence, chunking_strategy="auto")) for _ in range(5)
+            ]
+            seen = (0.0, 0.0)
+            shorts: list[httpx.Response] = []
+            while not all(t.done() for t in storm):
+                shorts.append(await _upload(client, server.url, short))
+                held = server_metric(server, "specwhisper_audio_in_flight_seconds", default=0.0)
+                waiting = server_metric(server, "specwhisper_audio_budget_waiting", default=0.0)
+                seen = (max(seen[0], held), max(seen[1], waiting))
+            return [t.result() for t in storm], shorts, seen
+
+    answers, shorts, (held, waiting) = asyncio.run(main())
+    statuses = sorted(r.status_code for r in answers)
+    assert statuses == [200, 200, 200, 200, 429, 429], [r.text[:200] for r in answers]
+    for refused in (r for r in answers if r.status_code == 429):
+        assert refused.json()["error"]["type"] == "rate_limit_error" and int(refused.headers["retry-after"]) >= 1
+    assert all(r.json()["text"] == "" for r in answers if r.status_code == 200)
+    assert held > 600 and waiting >= 1
+    assert shorts and all(r.status_code == 200 and r.json()["text"] == SHORT_TEXT for r in shorts)
+    assert server_metric(server, "specwhisper_audio_budget_refused_total", default=0.0) == 2
+    assert server_metric(server, "specwhisper_audio_in_flight_seconds", default=-1.0) == 0
