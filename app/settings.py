@@ -118,6 +118,12 @@ class Settings(BaseSettings):
         " one a few chunks, ~5 min at most); an upload that does not fit waits, and past a line of as much audio"
         " gets 429",
     )
+    windows_per_turn: int = Field(
+        1,
+        ge=0,
+        description="30-s windows a single-block upload decodes per batch before others may join its batch (its"
+        " transcription so far waits in the worker); 0: all of them, the others wait",
+    )
     upload_threads: int = Field(
         1, ge=1, le=64, description="threads that decode uploads and run their VAD, a bounded step at a time"
     )

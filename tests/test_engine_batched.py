@@ -211,3 +211,30 @@ def test_a_batch_everyone_left_stops_within_its_window(base: WhisperModel, clip:
     alone = engine.transcribe(audio[1:], options[1:])[0]
     assert halfway[1].text == alone.text and halfway[1].finish != "cancelled"
     assert base.encoder is not None and len(beats) > len(base.encoder.layers) + 1  # the window went on
+
+
+def test_a_long_clip_decoded_a_window_per_turn_with_others_joining_is_the_same(
+    base: WhisperModel, clip: Callable, drafters: dict
+) -> None:
+    """What the worker does with an hour-long upload: a window per batch, its state kept between batches, other
+    requests joining some of them, speculative in some, plain in others. Its segments and tokens are the ones it gets
+    decoded alone in one go (timestamps, the seek and the previous text carry over from batch to batch)."""
+    engine = Engine(base, drafters["self-draft"])
+    gap = np.zeros(8000, np.float32)
+    long = np.concatenate([clip("fleurs/fleurs-de-009"), gap, clip("whisper/jfk"), gap, clip("fleurs/fleurs-de-001")])
+    options = DecodingOptions(language="en", timestamps="segment")
+    alone = engine.transcribe([long], [_plain(options)])[0]
+    assert alone.metrics.windows >= 3
+
+    job, turn = engine.start(long, options), 0
+    while not job.done:
+        job.options = options if turn % 2 else _plain(options)
+        others = [engine.start(clip(REQUESTS[turn % 4][0]), REQUESTS[turn % 4][1])] if turn % 3 != 2 else []
+        engine.advance([job, *others], windows=1)
+        engine.advance(others)
+        assert all(o.done for o in others)
+        turn += 1
+    cut = engine.finish(job, 0.0, 1)
+    assert turn >= 3
+    assert cut.tokens == alone.tokens
+    assert [(s.start, s.end, s.text) for s in cut.segments] == [(s.start, s.end, s.text) for s in alone.segments]

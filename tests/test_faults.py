@@ -39,6 +39,9 @@ server = server_fixture(
         "SPECWHISPER_MAX_BATCH": "1",
         "SPECWHISPER_BATCH_WINDOW_MS": "0",
         "SPECWHISPER_MAX_QUEUED_AUDIO_SECONDS": "60",
+        # a long upload runs as one batch here, as these tests count batches and queued audio
+        # (tests/test_long_uploads.py: one window per batch, the default)
+        "SPECWHISPER_WINDOWS_PER_TURN": "0",
     },
     name="faults",
     own_group=True,

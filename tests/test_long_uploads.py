@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import io
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -101,3 +102,71 @@ def test_a_storm_of_long_uploads_is_budgeted_and_short_ones_go_on(
     assert shorts and all(r.status_code == 200 and r.json()["text"] == SHORT_TEXT for r in shorts)
     assert server_metric(server, "specwhisper_audio_budget_refused_total", default=0.0) == 2
     assert server_metric(server, "specwhisper_audio_in_flight_seconds", default=-1.0) == 0
+
+
+def test_a_short_upload_joins_the_batches_of_a_long_single_block_one(server: ServerProcess, benchdata: Path) -> None:
+    """A 3-minute upload decoded as one block (6 windows): a short upload sent once it runs is answered, right,
+    while the long one still has windows to go (the worker keeps the long one's state between its batches), and the
+    long one is answered in full."""
+    speech, rate = sf.read(benchdata / "audio/fleurs/fleurs-de-009.wav", dtype="int16")
+    out = io.BytesIO()
+    sf.write(out, np.tile(speech, 4), rate, format="FLAC")
+    short = (benchdata / SHORT_CLIP).read_bytes()
+    batches = server_metric(server, "specwhisper_batch_size_count", default=0.0)
+
+    async def main() -> tuple[httpx.Response, httpx.Response, bool]:
+        async with httpx.AsyncClient(timeout=600) as client:
+            long = asyncio.create_task(_upload(client, server.url, out.getvalue(), language="de"))
+            while server_metric(server, "specwhisper_batch_size_count", default=0.0) <= batches:
+                await asyncio.sleep(0.05)
+            answered = await _upload(client, server.url, short)
+            still_running = not long.done()
+            return answered, await long, still_running
+
+    short_answer, long_answer, still_running = asyncio.run(main())
+    assert short_answer.status_code == 200 and short_answer.json()["text"] == SHORT_TEXT
+    assert still_running, "the short upload waited for all of the long one"
+    assert long_answer.status_code == 200, long_answer.text
+    assert long_answer.json()["metrics"]["audio_seconds"] > 170
+    assert len(long_answer.json()["text"]) > 1000
+
+
+def test_a_client_leaving_a_long_single_block_upload_frees_the_worker(server: ServerProcess, benchdata: Path) -> None:
+    """A client that leaves a 3-minute single-block upload while it runs a window at a time: its transcription is
+    dropped (stopped mid-window, or its state let go in the worker between its batches), and the next upload is
+    answered at once, right."""
+    speech, rate = sf.read(benchdata / "audio/fleurs/fleurs-de-009.wav", dtype="int16")
+    out = io.BytesIO()
+    sf.write(out, np.tile(speech, 4), rate, format="FLAC")
+    batches = server_metric(server, "specwhisper_batch_size_count", default=0.0)
+    ended = [
+        server_metric(server, name, default=0.0)
+        for name in ("specwhisper_running_cancelled_total", "specwhisper_queue_dropped_total")
+    ]
+
+    async def leave() -> None:
+        async with httpx.AsyncClient(timeout=600) as client:
+            long = asyncio.create_task(_upload(client, server.url, out.getvalue(), language="de"))
+            while server_metric(server, "specwhisper_batch_size_count", default=0.0) <= batches + 1:
+                await asyncio.sleep(0.05)  # its second window has begun
+            long.cancel()
+
+    asyncio.run(leave())
+    r = httpx.post(
+        f"{server.url}/v1/audio/transcriptions",
+        data={"model": "whisper-1"},
+        files={"file": ("a.wav", (benchdata / SHORT_CLIP).read_bytes())},
+        timeout=300,
+    )
+    assert r.status_code == 200 and r.json()["text"] == SHORT_TEXT
+    for _ in range(600):
+        now = [
+            server_metric(server, name, default=0.0)
+            for name in ("specwhisper_running_cancelled_total", "specwhisper_queue_dropped_total")
+        ]
+        if now != ended:
+            break
+        time.sleep(0.1)
+    assert now != ended, "the worker went on with a transcription nobody waits for"
+    windows = server_metric(server, "specwhisper_batch_size_count", default=0.0) - batches
+    assert windows < 6  # the long one's six windows (and the short one's) did not all run

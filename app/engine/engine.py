@@ -8,6 +8,7 @@ runs with the engine's drafter, if any, for the rows that ask for it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -140,9 +141,30 @@ class Engine:
         for clip, opt in zip(audio, options, strict=True):
             self.check(opt, clip)
         started = time.perf_counter()
+        jobs = [self.start(a, o) for a, o in zip(audio, options, strict=True)]
+        self.advance(jobs, on_segments=on_segments, cancelled=cancelled, heartbeat=heartbeat)
+        total = time.perf_counter() - started
+        return [self.finish(job, total, len(jobs)) for job in jobs]
+
+    def start(self, audio: np.ndarray, options: DecodingOptions) -> LongFormJob:
+        """A clip's transcription, before its first window (its log-mel computed); `check` it first."""
         with torch.inference_mode():
-            jobs = [self._job(a, o) for a, o in zip(audio, options, strict=True)]
-            while True:
+            return self._job(audio, options)
+
+    def advance(
+        self,
+        jobs: Sequence[LongFormJob],
+        windows: int | None = None,
+        on_segments: Callable[[int, list[Segment]], None] | None = None,
+        cancelled: Callable[[int], bool] | None = None,
+        heartbeat: Callable[[], None] | None = None,
+    ) -> None:
+        """Decode the jobs' windows together, each pass shared, until all are done or `windows` windows have run
+        (then the jobs not done can go on in a later call, with others: the rows are batch-invariant, so where a
+        job is cut changes none of its tokens). The callbacks are `transcribe`'s, `i` the job's index here."""
+        jobs = list(jobs)
+        with torch.inference_mode():
+            for _ in itertools.count() if windows is None else range(windows):
                 if cancelled is not None:
                     for i, job in enumerate(jobs):
                         if not job.done and cancelled(i):
@@ -161,8 +183,10 @@ class Engine:
                     for job, n in zip(active, before, strict=True):
                         if len(job.segments) > n:
                             on_segments(jobs.index(job), job.segments[n:])
-        total = time.perf_counter() - started
-        return [job.result(total, len(jobs), speculative=self._speculative(job)) for job in jobs]
+
+    def finish(self, job: LongFormJob, total_s: float, batch: int) -> Transcription:
+        """A job's transcription, once `done`: `total_s` its time in the engine, `batch` its last batch's size."""
+        return job.result(total_s, batch, speculative=self._speculative(job))
 
     def warm_up(self, batch_sizes: Iterable[int]) -> frozenset[int]:
         """Decode one second of a tone in each mode at each of `batch_sizes`; returns the sizes warmed.

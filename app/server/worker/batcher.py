@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -192,11 +193,22 @@ class Batcher:
         if pending is not None and pending.progress is not None:
             pending.progress.put_nowait(message.segments)
 
+    def _resume_later(self, pending: Pending) -> None:
+        """A job the worker suspended (its windows so far kept there) queues again, after its lane's first turns; if
+        its client left meanwhile, the worker is told to drop it."""
+        if pending.future.done():
+            self._send_cancel(pending.job.request_id)
+            return
+        pending.job = dataclasses.replace(pending.job, resume=True, turn=pending.job.turn + 1)
+        self.lanes[pending.lane].append(pending)
+        self._arrived.set()
+
     def _cancel_when_abandoned(self, pending: Pending) -> None:
-        """A running job whose client leaves (or times out) is stopped in the worker at its next window."""
+        """A job whose client leaves (or times out) once it has run is stopped in the worker at its next window,
+        or dropped there if suspended."""
 
         def on_done(future: asyncio.Future[JobResult]) -> None:
-            if future.cancelled() and self.inflight:
+            if future.cancelled() and (self.inflight or pending.job.resume):
                 self._send_cancel(pending.job.request_id)
 
         pending.future.add_done_callback(on_done)
@@ -210,8 +222,9 @@ class Batcher:
                 continue
             now = time.perf_counter()
             for p in batch:
-                p.dispatched = now
-                self._cancel_when_abandoned(p)
+                if not p.dispatched:
+                    p.dispatched = now
+                    self._cancel_when_abandoned(p)
             self.inflight, self.running = len(batch), batch
             self.metrics.batch_size.observe(len(batch))
             streaming = {p.job.request_id: p for p in batch if p.progress is not None}
@@ -229,7 +242,9 @@ class Batcher:
                         p.future.set_exception(exc)
             else:
                 for p, r in zip(batch, results, strict=True):
-                    if not p.future.done():
+                    if r.suspended:
+                        self._resume_later(p)
+                    elif not p.future.done():
                         p.future.set_result(r)
                     elif r.transcription is not None and r.transcription.finish == "cancelled":
                         self.metrics.running_cancelled.inc()

@@ -13,10 +13,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from app.api.audio import AudioError
 from app.api.types import InvalidRequestError, Segment
@@ -37,6 +36,7 @@ from app.settings import Settings
 
 if TYPE_CHECKING:  # the web process imports this module for `worker_main`, and must not load torch
     from app.engine.engine import Engine
+    from app.engine.longform import LongFormJob
 
 log = logging.getLogger("specwhisper.worker")
 
@@ -44,8 +44,21 @@ IDLE_BEFORE_TRIM_S = 0.25  # under load the next batch comes sooner, so a busy w
 HEARTBEAT_S = 1.0
 
 
+@dataclass
+class _Transcription:
+    """A job in the engine, between its batches: its windows so far, and its time in the engine."""
+
+    job: LongFormJob
+    engine_s: float = 0.0
+
+
 class BatchRunner:
-    """Runs one batch at a time: validation, the speculative/plain choice, streaming progress, error isolation."""
+    """Runs one batch at a time: validation, the speculative/plain choice, streaming progress, error isolation.
+
+    A job decodes at most `windows` 30-s windows per batch (0: all of them): one still going is kept here and
+    answered `suspended`; the web process queues it again (`resume`), so that other requests join the batches
+    of an hour-long upload instead of waiting for all of it. `forgotten()` names suspended jobs whose clients
+    left."""
 
     def __init__(
         self,
@@ -53,11 +66,17 @@ class BatchRunner:
         policy: ModePolicy,
         send: Callable[[object], None],
         cancelled: Callable[[str], bool] = lambda request_id: False,
+        *,
+        windows: int = 0,
+        forgotten: Callable[[], list[str]] = list,
     ) -> None:
         self.engine = engine
         self.policy = policy
         self.send = send
         self.cancelled = cancelled
+        self.windows = windows
+        self.forgotten = forgotten
+        self.suspended: dict[str, _Transcription] = {}
         self._last_beat = 0.0
 
     def _heartbeat(self) -> None:
@@ -68,39 +87,59 @@ class BatchRunner:
             self._last_beat = now
             self.send(Heartbeat())
 
+    def forget(self) -> None:
+        """Let go of the suspended jobs whose clients left."""
+        for request_id in self.forgotten():
+            self.suspended.pop(request_id, None)
+
     def run(self, batch: BatchRequest) -> BatchResult:
-        valid: list[Job] = []
+        self.forget()
+        valid: list[tuple[Job, _Transcription]] = []
         results: dict[str, JobResult] = {}
         mode: Mode | None = None
-        audio: list[np.ndarray] = []
         for job in batch.jobs:
             try:
-                samples = job.decoded()
-                self.engine.check(job.options, samples)  # a bad request fails alone, not its batch
-                valid.append(job)
-                audio.append(samples)
-            except (InvalidRequestError, AudioError) as exc:
+                valid.append((job, self._start(job)))
+            except (InvalidRequestError, AudioError) as exc:  # a bad request fails alone, not its batch
                 results[job.request_id] = JobResult(job.request_id, error=str(exc))
+            except Exception as exc:
+                log.exception("job %s could not start", job.request_id)
+                results[job.request_id] = JobResult(job.request_id, error=f"internal error: {exc}", internal=True)
         if valid:
-            mode, done = self._transcribe(valid, audio, batch.batch_id)
+            mode, done = self._transcribe(valid, batch.batch_id)
             results.update(done)
         return BatchResult(batch.batch_id, [results[j.request_id] for j in batch.jobs], mode, self.policy.estimates())
 
-    def _transcribe(self, jobs: list[Job], audio: list[np.ndarray], batch_id: int) -> tuple[Mode, dict[str, JobResult]]:
+    def _start(self, job: Job) -> _Transcription:
+        if job.resume:
+            if job.request_id not in self.suspended:
+                raise RuntimeError("its transcription so far was lost (the worker restarted)")
+            return self.suspended.pop(job.request_id)
+        samples = job.decoded()
+        self.engine.check(job.options, samples)
+        return _Transcription(self.engine.start(samples, job.options))
+
+    def _transcribe(self, batch: list[tuple[Job, _Transcription]], batch_id: int) -> tuple[Mode, dict[str, JobResult]]:
+        jobs = [j for j, _ in batch]
+        running = [t.job for _, t in batch]
         eligible = self.engine.drafter is not None and any(j.options.use_assistant for j in jobs)
         rows = sum(j.options.rows for j in jobs)  # what a pass carries: a beam's hypotheses count one each
         mode: Mode = self.policy.choose(rows) if eligible else "plain"
-        options = [j.options if mode == "speculative" else dataclasses.replace(j.options, use_assistant=False)
-                   for j in jobs]  # fmt: skip
+        for job, t in batch:
+            t.job.options = dataclasses.replace(
+                t.job.options, use_assistant=job.options.use_assistant and mode == "speculative"
+            )
+        before = [(t.counters.tokens, t.counters.windows, t.counters.decode_s) for t in running]
 
         def progress(i: int, segments: list[Segment]) -> None:
             if jobs[i].stream:
                 self.send(Progress(jobs[i].request_id, segments))
 
+        started = time.perf_counter()
         try:
-            out = self.engine.transcribe(
-                audio,
-                options,
+            self.engine.advance(
+                running,
+                windows=self.windows or None,
                 on_segments=progress,
                 cancelled=lambda i: self.cancelled(jobs[i].request_id),
                 heartbeat=self._heartbeat,
@@ -110,15 +149,25 @@ class BatchRunner:
             return mode, {
                 j.request_id: JobResult(j.request_id, error=f"internal error: {exc}", internal=True) for j in jobs
             }
-        if eligible:
-            decode_s = max(t.metrics.decode_ms for t in out) / 1000  # the batch's rows share the decode time
-            cost = BatchCost.of(decode_s, [(t.metrics.tokens, t.metrics.windows) for t in out])
+        elapsed = time.perf_counter() - started
+        if eligible:  # what this batch did: the rows share its decode time
+            done = [(t.counters.tokens - a, t.counters.windows - b, t.counters.decode_s - c)
+                    for t, (a, b, c) in zip(running, before, strict=True)]  # fmt: skip
+            cost = BatchCost.of(max(d for _, _, d in done), [(tokens, windows) for tokens, windows, _ in done])
             self.policy.observe(mode, rows, cost)
             log.debug(
                 "batch %s: %d rows %s, %.0f ms for %d plain passes; estimates %s",
                 batch_id, rows, mode, cost.seconds * 1000, cost.plain_passes, self.policy.snapshot(),
             )  # fmt: skip
-        return mode, {j.request_id: JobResult(j.request_id, transcription=t) for j, t in zip(jobs, out, strict=True)}
+        results = {}
+        for job, t in batch:
+            t.engine_s += elapsed
+            if t.job.done:
+                results[job.request_id] = JobResult(job.request_id, self.engine.finish(t.job, t.engine_s, len(batch)))
+            else:
+                self.suspended[job.request_id] = t
+                results[job.request_id] = JobResult(job.request_id, suspended=True)
+        return mode, results
 
 
 class Inbox:
@@ -132,6 +181,7 @@ class Inbox:
         self._conn = conn
         self._batches: queue.Queue[BatchRequest | None] = queue.Queue()  # None: stop
         self._cancelled: set[str] = set()
+        self._forgotten: list[str] = []  # every Cancel: a suspended job of these ids is dropped
         self._orphaned = False  # the web process is gone: whatever runs is for no one
         threading.Thread(target=self._read, name="worker-inbox", daemon=True).start()
 
@@ -144,6 +194,7 @@ class Inbox:
                 message = None
             if isinstance(message, Cancel):
                 self._cancelled.add(message.request_id)
+                self._forgotten.append(message.request_id)
             elif isinstance(message, BatchRequest):
                 self._cancelled = set()
                 self._batches.put(message)
@@ -154,6 +205,11 @@ class Inbox:
     def next(self, timeout: float | None = None) -> BatchRequest | None:
         """The next batch (None: stop); raises queue.Empty after `timeout` seconds without one."""
         return self._batches.get(timeout=timeout)
+
+    def forgotten(self) -> list[str]:
+        """The ids cancelled since the last call."""
+        taken, self._forgotten = self._forgotten, []
+        return taken
 
     def is_cancelled(self, request_id: str) -> bool:
         return self._orphaned or request_id in self._cancelled
@@ -207,13 +263,17 @@ def worker_main(settings: Settings, conn: Connection) -> None:
         sys.exit(1)
     trim = heap_trimmer() if settings.worker_heap_trim else None
     inbox = Inbox(conn)
-    runner = BatchRunner(engine, ModePolicy(settings.speculation, warmed=warmed), conn.send, inbox.is_cancelled)
+    policy = ModePolicy(settings.speculation, warmed=warmed)
+    runner = BatchRunner(
+        engine, policy, conn.send, inbox.is_cancelled, windows=settings.windows_per_turn, forgotten=inbox.forgotten
+    )
     conn.send(Ready(time.perf_counter() - started, described))
     while True:
         try:
             batch = inbox.next(timeout=IDLE_BEFORE_TRIM_S if trim is not None else None)
         except queue.Empty:
             assert trim is not None
+            runner.forget()  # an abandoned suspended job's memory goes back too
             trim()
             batch = inbox.next()
         if batch is None:

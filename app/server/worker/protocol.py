@@ -21,7 +21,9 @@ class Job:
     options: DecodingOptions
     stream: bool = False  # send Progress messages as windows complete
     samples: int = 0
-    turn: int = 0  # jobs of the same request queued before it (a chunked upload's k-th chunk: k)
+    turn: int = 0  # jobs of the same request queued before it (a chunked upload's k-th chunk: k; a resumed job's
+    # earlier turns)
+    resume: bool = False  # go on with the worker's suspended transcription of this request (`JobResult.suspended`)
 
     @property
     def length(self) -> int:
@@ -60,6 +62,7 @@ class JobResult:
     transcription: Transcription | None = None
     error: str | None = None  # message of an invalid request (the others still succeed)
     internal: bool = False  # the error is the server's fault, not the request's
+    suspended: bool = False  # not done: its windows so far are kept in the worker, to go on as a `resume` job
 
 
 @dataclass(frozen=True)
