@@ -45,6 +45,35 @@ def test_a_fresh_request_s_step_goes_before_long_ones_next_steps() -> None:
     assert "a" in order[:4] and "b" in order[:4]  # the two long ones take turns
 
 
+def test_past_their_first_second_long_uploads_run_one_after_another() -> None:
+    """Two uploads that have used their first second of thread time, one thread: the one that gets the long place
+    runs all its steps before the other runs any (one finishes early, holding its decoders, instead of both
+    finishing last); a fresh upload still goes between two of its steps; a leaving upload hands the place on."""
+
+    async def main() -> list[str]:
+        share, order = FairShare(1), []
+
+        async def upload(name: str, account: Account, steps: int) -> None:
+            try:
+                for _ in range(steps):
+                    await share.run(account, lambda: (time.sleep(0.01), order.append(name)))
+            finally:
+                share.leave(account)
+
+        first, second = share.account(), share.account()
+        first.used = second.used = 2.0
+        tasks = [asyncio.create_task(upload("first", first, 4)), asyncio.create_task(upload("second", second, 4))]
+        await asyncio.sleep(0.015)
+        await upload("fresh", share.account(), 1)
+        await asyncio.gather(*tasks)
+        share.close()
+        return order
+
+    order = asyncio.run(main())
+    assert order.index("fresh") <= 2, order
+    assert [name for name in order if name != "fresh"] == ["first"] * 4 + ["second"] * 4, order
+
+
 def test_a_cancelled_step_keeps_its_thread_until_it_ends() -> None:
     """A request that goes away mid-step: its step finishes on the thread, and only then does the next one start."""
 

@@ -1,8 +1,11 @@
 """What an upload may cost the web process: a share of its threads, and a place in the budget of audio in flight.
 
 `FairShare` runs the blocking work of uploads (decoding, levelling, the VAD), one bounded step at a time, on a
-few threads of their own: the step of the request that has used the least thread time goes first, so a short
-upload is decoded between two steps of an hour-long one, and the event loop's default threads stay free.
+few threads of their own (the event loop's default threads stay free). The step of the request that has used
+the least thread time goes first, so a short upload is read between two steps of an hour-long one. Past its
+first `QUANTUM_S`, a request also needs one of `threads` long places, given in the order the requests came:
+long uploads then finish one after another, holding their decoders' buffers one at a time, rather than all
+advancing together and all finishing last.
 
 `AudioBudget` admits uploads by the seconds of audio they hold at once: a chunked upload holds a few chunks and
 blocks, whatever its length; a single-block upload holds all of it (decoded in the worker). A request that does
@@ -24,16 +27,20 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
+QUANTUM_S = 1.0  # thread time every request gets before the ones that came earlier and have used more
+
+
 @dataclass
 class Account:
-    """One request's use of the upload threads (seconds)."""
+    """One request's use of the upload threads (seconds); `order`: when it came (`FairShare.account`)."""
 
     used: float = 0.0
+    order: int = 0
 
 
 class FairShare:
-    """`threads` threads for the uploads' blocking steps, given to the waiting step whose request has used the
-    least time so far (ties: the earliest)."""
+    """`threads` threads for the uploads' blocking steps, given to the waiting step whose request has used the least
+    time (ties: the step that has waited longest); past `QUANTUM_S`, only the requests holding a long place run."""
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
@@ -41,6 +48,13 @@ class FairShare:
         self._free = threads
         self._line: list[tuple[float, int, asyncio.Future[None]]] = []
         self._order = itertools.count()
+        self._arrivals = itertools.count()
+        self._long: set[int] = set()  # the orders of the accounts holding a long place
+        self._long_line: list[tuple[int, asyncio.Future[None]]] = []
+
+    def account(self) -> Account:
+        """A new request's account."""
+        return Account(order=next(self._arrivals))
 
     @property
     def waiting(self) -> int:
@@ -49,6 +63,8 @@ class FairShare:
     async def run(self, account: Account, step: Callable[[], T]) -> T:
         """Run `step` on an upload thread when its turn comes. Cancelled while it runs, the step still finishes
         (a thread cannot be stopped) and keeps its thread until then."""
+        if account.used >= QUANTUM_S and account.order not in self._long:
+            await self._long_place(account)
         await self._turn(account.used)
         loop = asyncio.get_running_loop()
 
@@ -87,6 +103,33 @@ class FairShare:
                 turn.set_result(None)
                 return
         self._free += 1
+
+    async def _long_place(self, account: Account) -> None:
+        if len(self._long) < self.threads and not self._long_line:
+            self._long.add(account.order)
+            return
+        place: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._long_line, (account.order, place))
+        try:
+            await place  # `_hand_over` adds it to the holders
+        except asyncio.CancelledError:
+            if place.done() and not place.cancelled():  # handed over just as it was cancelled: pass it on
+                self.leave(account)
+            raise
+
+    def leave(self, account: Account) -> None:
+        """The request runs no steps for now (it waits for something else, or it is done): its long place, if it
+        holds one, goes to the earliest request waiting for one."""
+        if account.order in self._long:
+            self._long.discard(account.order)
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        while self._long_line and len(self._long) < self.threads:
+            order, place = heapq.heappop(self._long_line)
+            if not place.done():
+                self._long.add(order)
+                place.set_result(None)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

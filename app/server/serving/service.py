@@ -8,10 +8,12 @@ and its answer shaped and recorded (`replies.py`). Live sessions are admitted he
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing, asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -46,11 +48,20 @@ NON_AUDIO_TYPES = ("text/", "image/", "application/json", "application/xml", "ap
 SHORT_UPLOAD_S = 60.0  # an upload this short passes uploads waiting for the audio budget, when it fits
 
 
+@dataclass(frozen=True)
+class Upload:
+    """An admitted upload: its bytes, its first pass (length, loudness) and its use of the upload threads."""
+
+    audio: EncodedAudio
+    scan: AudioScan
+    account: Account
+
+
 def _merged(
-    parts: Sequence[tuple[Chunk, Transcription, float]], scan: AudioScan, options: DecodingOptions
+    parts: Sequence[tuple[Chunk, Transcription, float]], upload: Upload, options: DecodingOptions
 ) -> Transcription:
     """A chunked upload's transcription, from its chunks', in order."""
-    return merge([c for c, _, _ in parts], [t for _, t, _ in parts], scan.seconds, options.language)
+    return merge([c for c, _, _ in parts], [t for _, t, _ in parts], upload.scan.seconds, options.language)
 
 
 class TooManySessions(Exception):
@@ -172,15 +183,15 @@ class TranscriptionService:
         started = time.perf_counter()
         request_id = request_id or uuid.uuid4().hex
         options, chunking = self.rules.options(req), self.rules.chunking(req)
-        async with self._admitted(req, chunking) as (audio, scan):
+        async with self._admitted(req, chunking) as upload:
             if chunking is not None:
-                results = self._chunk_results(req, request_id, audio, scan, options, chunking)
+                results = self._chunk_results(request_id, upload, options, chunking)
                 async with self._audio_errors(req), aclosing(results) as chunks:
                     parts = [part async for part in chunks]
                 queue_ms = parts[0][2] if parts else 0.0
-                transcription = _merged(parts, scan, options)
+                transcription = _merged(parts, upload, options)
             else:
-                job = Job(request_id, audio, options, samples=scan.samples)
+                job = Job(request_id, upload.audio, options, samples=upload.scan.samples)
                 transcription, queue_ms = await self.result(self.submit(job))
         return self.replies.reply(req, transcription, queue_ms, (time.perf_counter() - started) * 1000)
 
@@ -194,12 +205,13 @@ class TranscriptionService:
         request_id = request_id or uuid.uuid4().hex
         options, chunking = self.rules.options(req), self.rules.chunking(req)
         admitted = self._admitted(req, chunking)
-        audio, scan = await admitted.__aenter__()
+        upload = await admitted.__aenter__()
         try:
             if chunking is not None:
-                events = self._chunked_events(req, request_id, audio, scan, options, chunking, started)
+                events = self._chunked_events(req, request_id, upload, options, chunking, started)
             else:
-                pending = self.submit(Job(request_id, audio, options, stream=True, samples=scan.samples))
+                job = Job(request_id, upload.audio, options, stream=True, samples=upload.scan.samples)
+                pending = self.submit(job)
                 events = self._events(req, pending, started)
         except BaseException as exc:
             await admitted.__aexit__(type(exc), exc, exc.__traceback__)
@@ -217,9 +229,7 @@ class TranscriptionService:
             await admitted.__aexit__(None, None, None)
 
     @asynccontextmanager
-    async def _admitted(
-        self, req: TranscriptionRequest, chunking: Chunking | None
-    ) -> AsyncIterator[tuple[EncodedAudio, AudioScan]]:
+    async def _admitted(self, req: TranscriptionRequest, chunking: Chunking | None) -> AsyncIterator[Upload]:
         """The upload's audio, checked whole (`AudioScan`, on the upload threads), while it holds its place in
         the audio budget: ApiError 400/413/415 for bad audio, 429 when the budget's line is full."""
         if len(req.data) > self.settings.max_upload_bytes:
@@ -228,14 +238,20 @@ class TranscriptionService:
             raise errors.bad_request("The audio file is empty.", param="file", code="empty_file")
         audio = EncodedAudio(req.data, self.settings.max_audio_seconds)
         scan = AudioScan(audio, levels=chunking is not None and chunking.normalize)
-        account = Account()
+        account = self.share.account()
         async with self._audio_errors(req):
-            while not scan.done:
-                await self.share.run(account, scan.step)
+            try:
+                while not scan.done:
+                    await self.share.run(account, scan.step)
+            finally:
+                self.share.leave(account)  # not while it waits for the budget: the budget's holders need it
         hold = scan.seconds if chunking is None else min(scan.seconds, self.chunked_hold_s())
         try:
             async with self.budget.hold(hold, self.engine.retry_after):
-                yield audio, scan
+                try:
+                    yield Upload(audio, scan, account)
+                finally:
+                    self.share.leave(account)
         except OverBudget as exc:
             self.metrics.budget_refused.inc()
             raise errors.queue_full(exc.retry_after) from exc
@@ -256,31 +272,29 @@ class TranscriptionService:
 
     def _chunk_results(
         self,
-        req: TranscriptionRequest,
         request_id: str,
-        audio: EncodedAudio,
-        scan: AudioScan,
+        upload: Upload,
         options: DecodingOptions,
         chunking: Chunking,
     ) -> AsyncGenerator[tuple[Chunk, Transcription, float], None]:
         """The upload's chunks with their transcriptions and queue times, in order (`uploads.chunk_results`)."""
-        chunks = ChunkScan(audio, lambda: self.vad.finder(chunking.params, CHUNK_SECONDS), scan.gain)
-        account = Account()
+        finder = functools.partial(self.vad.finder, chunking.params, CHUNK_SECONDS)
+        chunks = ChunkScan(upload.audio, finder, upload.scan.gain)
 
         def run(step: Callable[[], T]) -> Any:
-            return self.share.run(account, step)
+            return self.share.run(upload.account, step)
 
         def transcribe(k: int, samples: np.ndarray) -> Any:
             return self.result(self.submit(Job(f"{request_id}-{k}", samples, options, turn=k)))
 
-        return chunk_results(chunks, run, transcribe, self.settings.max_batch)
+        idle = functools.partial(self.share.leave, upload.account)  # its long place, while it waits for the worker
+        return chunk_results(chunks, run, transcribe, self.settings.max_batch, idle)
 
     async def _chunked_events(
         self,
         req: TranscriptionRequest,
         request_id: str,
-        audio: EncodedAudio,
-        scan: AudioScan,
+        upload: Upload,
         options: DecodingOptions,
         chunking: Chunking,
         started: float,
@@ -289,7 +303,7 @@ class TranscriptionService:
         parts: list[tuple[Chunk, Transcription, float]] = []
         sent = False
         try:
-            results = self._chunk_results(req, request_id, audio, scan, options, chunking)
+            results = self._chunk_results(request_id, upload, options, chunking)
             async with self._audio_errors(req), aclosing(results) as chunks:
                 async for part in chunks:
                     parts.append(part)
@@ -302,7 +316,7 @@ class TranscriptionService:
         except errors.ApiError as exc:
             yield {"type": "error", **exc.body()}
             return
-        transcription = _merged(parts, scan, options)
+        transcription = _merged(parts, upload, options)
         total_ms = (time.perf_counter() - started) * 1000
         reply = self.replies.reply(req, transcription, parts[0][2] if parts else 0.0, total_ms)
         yield done_event(req, transcription, reply.metrics)

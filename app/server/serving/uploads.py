@@ -127,11 +127,12 @@ async def chunk_results(
     run: Callable[[Callable[[], list[tuple[Chunk, np.ndarray]]]], Awaitable[list[tuple[Chunk, np.ndarray]]]],
     transcribe: Callable[[int, np.ndarray], Awaitable[tuple[Transcription, float]]],
     ahead: int,
+    idle: Callable[[], None] = lambda: None,
 ) -> AsyncGenerator[tuple[Chunk, Transcription, float], None]:
     """Each chunk of `scan` with its transcription and queue time, in order. `run` runs a step of the scan (on an
     upload thread), `transcribe(k, samples)` transcribes the k-th chunk. The scan goes on while at most `ahead`
     chunks are being transcribed: they fill a batch together, other requests' jobs take turns with them, and the
-    VAD listens on while they are decoded."""
+    VAD listens on while they are decoded. `idle()` is called when it waits for transcriptions only."""
     found: deque[tuple[Chunk, np.ndarray]] = deque()
     queued: deque[tuple[Chunk, asyncio.Future[tuple[Transcription, float]]]] = deque()
     step: asyncio.Future[list[tuple[Chunk, np.ndarray]]] | None = None
@@ -147,6 +148,8 @@ async def chunk_results(
             if step is None and not queued and not found:
                 return
             waits: list[asyncio.Future[Any]] = [f for f in ([queued[0][1]] if queued else []) + [step] if f]
+            if step is None:
+                idle()
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             if step is not None and step.done():
                 found.extend(step.result())
