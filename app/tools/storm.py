@@ -97,6 +97,7 @@ class Storm:
     short_text: str = ""
     statuses: Counter[str] = field(default_factory=Counter)
     short_latencies: list[float] = field(default_factory=list)
+    short_times: list[float] = field(default_factory=list)  # when each answer came (monotonic s)
     short_wrong: int = 0
     short_statuses: Counter[str] = field(default_factory=Counter)
     live_finals: list[float] = field(default_factory=list)
@@ -125,6 +126,7 @@ class Storm:
             self.short_statuses[str(status)] += 1
             if status == 200:
                 self.short_latencies.append(latency)
+                self.short_times.append(round(time.monotonic(), 1))
                 self.short_wrong += text != self.short_text
             await asyncio.sleep(0.2)
 
@@ -176,7 +178,7 @@ async def storm(args: argparse.Namespace) -> dict[str, Any]:
     short = Path(clips[SHORT_CLIP].audio).read_bytes()
     seconds = args.minutes * 60
     silent = encoded(np.zeros(int(seconds * SR), np.int16))  # FLAC: ~3 kB a minute
-    speech_audio = long_speech(manifest, seconds)
+    speech_audio = long_speech(manifest, 60 * (args.speech_minutes or args.minutes))
     speech = encoded(speech_audio, "OGG", "OPUS")  # a voice note's format: an hour fits the 25-MB limit
     server: ServerProcess | None = None
     log = args.log or Path(tempfile.mkdtemp(prefix="specwhisper-storm-")) / "server.log"
@@ -256,7 +258,7 @@ async def storm(args: argparse.Namespace) -> dict[str, Any]:
         }
         return {
             "url": url,
-            "minutes": args.minutes,
+            "minutes": {"silent": args.minutes, "speech": args.speech_minutes or args.minutes},
             "upload_bytes": {"silent": len(silent), "speech": len(speech)},
             "idle": {
                 "short_latency_s": round(idle_latency, 3),
@@ -274,6 +276,12 @@ async def storm(args: argparse.Namespace) -> dict[str, Any]:
                     "median": round(statistics.median(run.short_latencies), 3) if run.short_latencies else None,
                     "max": round(slowest, 3),
                 },
+                "short_answers": [  # (s into the storm, latency s): where a slow answer fell
+                    (round(t - started, 1), round(latency, 2))
+                    for t, latency in zip(run.short_times, run.short_latencies, strict=True)
+                    if t >= started
+                ],
+                "live_finals_at_s": [round(t - started, 1) for t in finals],
                 "failures": run.failures[:5],
             },
             "checks": checks,
@@ -289,6 +297,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--minutes", type=float, default=59.0, help="length of each long upload")
     parser.add_argument("--silent", type=int, default=16, help="long silent uploads sent at once")
     parser.add_argument("--speech", type=int, default=4, help="long speech uploads sent with them")
+    parser.add_argument("--speech-minutes", type=float, help="length of each speech upload (default: --minutes)")
     parser.add_argument("--chunking", default="auto", help="the silent uploads' chunking_strategy")
     parser.add_argument("--speech-chunking", default="auto", help="the speech uploads' chunking_strategy")
     parser.add_argument("--max-memory-mb", type=float, default=1500.0, help="target: the server's peak in the storm")
