@@ -170,3 +170,19 @@ def test_a_client_leaving_a_long_single_block_upload_frees_the_worker(server: Se
     assert now != ended, "the worker went on with a transcription nobody waits for"
     windows = server_metric(server, "specwhisper_batch_size_count", default=0.0) - batches
     assert windows < 6  # the long one's six windows (and the short one's) did not all run
+
+
+def test_a_streaming_client_that_leaves_gives_its_place_back(server: ServerProcess, silence: bytes) -> None:
+    """A client streaming a long upload's events (SSE) that leaves once the answer has begun: the upload's place in
+    the audio budget goes back (else each such client would shrink the budget for good)."""
+    with httpx.Client(timeout=300) as client:
+        fields = {"model": "whisper-1", "chunking_strategy": "auto", "stream": "true"}
+        files = {"file": ("a.flac", silence, "audio/flac")}
+        with client.stream("POST", f"{server.url}/v1/audio/transcriptions", data=fields, files=files) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            assert server_metric(server, "specwhisper_audio_in_flight_seconds", default=0.0) > 0
+    for _ in range(300):
+        if server_metric(server, "specwhisper_audio_in_flight_seconds", default=-1.0) == 0:
+            break
+        time.sleep(0.1)
+    assert server_metric(server, "specwhisper_audio_in_flight_seconds", default=-1.0) == 0

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, File, Form, Request, Response, UploadFile
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
 
 from app.api import errors
 from app.api.types import hinted_language, hinted_prompt
@@ -84,7 +85,12 @@ async def _transcription(
     )
     if stream:
         events = await _service(request).transcribe_stream(req, request.state.request_id)
-        return StreamingResponse(sse(events), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            sse(events),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+            background=BackgroundTask(events.aclose),  # its places go back even if no event was read
+        )
     reply = await unless_disconnected(request, _service(request).transcribe(req, request.state.request_id))
     m = reply.metrics
     timing = ", ".join(f"{k};dur={m[k + '_ms']}" for k in ("queue", "encode", "decode"))

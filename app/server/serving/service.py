@@ -12,7 +12,7 @@ import functools
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
-from contextlib import aclosing, asynccontextmanager, contextmanager
+from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -62,6 +62,45 @@ def _merged(
 ) -> Transcription:
     """A chunked upload's transcription, from its chunks', in order."""
     return merge([c for c, _, _ in parts], [t for _, t, _ in parts], upload.scan.seconds, options.language)
+
+
+class HeldEvents:
+    """A streamed answer's events, with the upload's places (the audio budget, the upload threads) given back once
+    they end, fail or are closed (`aclose`, which the route runs after the response, even if the client left
+    before the first event was read: an async generator never started would never run its `finally`)."""
+
+    def __init__(
+        self,
+        events: AsyncIterator[dict[str, Any]],
+        admitted: AbstractAsyncContextManager[Any],
+        pending: Pending | None = None,
+    ) -> None:
+        self._events = events
+        self._admitted: AbstractAsyncContextManager[Any] | None = admitted
+        self._pending = pending  # its job, dropped if it has not finished by then
+
+    def __aiter__(self) -> HeldEvents:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        try:
+            return await self._events.__anext__()
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        admitted, self._admitted = self._admitted, None
+        if admitted is None:
+            return
+        try:
+            if self._pending is not None and not self._pending.future.done():
+                self._pending.future.cancel()
+            closing = getattr(self._events, "aclose", None)
+            if closing is not None:
+                await closing()
+        finally:
+            await admitted.__aexit__(None, None, None)
 
 
 class TooManySessions(Exception):
@@ -195,11 +234,9 @@ class TranscriptionService:
                 transcription, queue_ms = await self.result(self.submit(job))
         return self.replies.reply(req, transcription, queue_ms, (time.perf_counter() - started) * 1000)
 
-    async def transcribe_stream(
-        self, req: TranscriptionRequest, request_id: str | None = None
-    ) -> AsyncIterator[dict[str, Any]]:
+    async def transcribe_stream(self, req: TranscriptionRequest, request_id: str | None = None) -> HeldEvents:
         """Validate the request and read its audio now (errors raise here), then return its events, its place in
-        the audio budget held until they end: `transcript.text.delta` per segment as windows (or chunks)
+        the audio budget held until they end or are closed: `transcript.text.delta` per segment as windows (or chunks)
         complete, then `transcript.text.done`."""
         started = time.perf_counter()
         request_id = request_id or uuid.uuid4().hex
@@ -208,25 +245,12 @@ class TranscriptionService:
         upload = await admitted.__aenter__()
         try:
             if chunking is not None:
-                events = self._chunked_events(req, request_id, upload, options, chunking, started)
-            else:
-                job = Job(request_id, upload.audio, options, stream=True, samples=upload.scan.samples)
-                pending = self.submit(job)
-                events = self._events(req, pending, started)
+                return HeldEvents(self._chunked_events(req, request_id, upload, options, chunking, started), admitted)
+            pending = self.submit(Job(request_id, upload.audio, options, stream=True, samples=upload.scan.samples))
         except BaseException as exc:
             await admitted.__aexit__(type(exc), exc, exc.__traceback__)
             raise
-        return self._holding(events, admitted)
-
-    async def _holding(
-        self, events: AsyncIterator[dict[str, Any]], admitted: Any
-    ) -> AsyncGenerator[dict[str, Any], None]:
-        """`events`, the audio budget held until they end (or the client leaves)."""
-        try:
-            async for event in events:
-                yield event
-        finally:
-            await admitted.__aexit__(None, None, None)
+        return HeldEvents(self._events(req, pending, started), admitted, pending)
 
     @asynccontextmanager
     async def _admitted(self, req: TranscriptionRequest, chunking: Chunking | None) -> AsyncIterator[Upload]:
