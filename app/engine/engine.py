@@ -22,7 +22,7 @@ from app.api.types import DecodingOptions, InvalidRequestError, Segment, Transcr
 from app.engine.alignment import align_words
 from app.engine.decoding.batch import Row
 from app.engine.decoding.logits import whisper_rules
-from app.engine.decoding.search import BeamOptions, BeamSearch, Decoded, Greedy, RowStats, Search, rank
+from app.engine.decoding.search import BeamOptions, BeamSearch, Decoded, Greedy, Search, best_of
 from app.engine.drafting.base import Drafter, DraftInputs
 from app.engine.generate import decode, detect_language
 from app.engine.invariance import decoder_is_batch_invariant
@@ -335,7 +335,7 @@ class Engine:
         out = []
         for k, job in enumerate(jobs):
             mine = [d for d, o in zip(decoded, owner, strict=True) if o == k]
-            out.append(mine[0] if len(mine) == 1 else _best_of(mine, job.options.length_penalty))
+            out.append(mine[0] if len(mine) == 1 else best_of(mine, job.options.length_penalty))
         return out
 
     def _searches(self, job: LongFormJob, temperature: float) -> list[Search]:
@@ -393,15 +393,3 @@ class Engine:
             if not job.place_words(window, timings):
                 return
         job.commit(window)
-
-
-def _best_of(candidates: list[Decoded], length_penalty: float | None) -> Decoded:
-    """The best ranked of a window's samples (openai-whisper's ranker), with the counters of all of them: they
-    shared each pass, so passes are counted once."""
-    best = candidates[rank([(len(d.tokens), d.sum_logprob) for d in candidates], length_penalty)]
-    stats = RowStats(main_passes=max(d.stats.main_passes for d in candidates))
-    for d in candidates:
-        stats.drafted += d.stats.drafted
-        stats.accepted += d.stats.accepted
-        stats.draft_passes = max(stats.draft_passes, d.stats.draft_passes)
-    return replace(best, stats=stats)

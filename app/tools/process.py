@@ -1,7 +1,10 @@
-"""`python -m app serve` as a child process on a free loopback port: for benchmarks, the soak and tests."""
+"""`python -m app serve` as a child process on a free loopback port (for benchmarks, the soak, the storm and tests), and
+the flags and verdict of the tools that run against one."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import signal
 import socket
@@ -10,6 +13,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -102,3 +106,21 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         return int(self.proc.returncode)
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, pid_use: str) -> None:
+    """The flags of a tool that starts its own server or takes a running one (`pid_use`: what its pid is read for),
+    and `--json` for its report."""
+    parser.add_argument("--url", help="a running server (default: start one on a free loopback port)")
+    parser.add_argument("--server-pid", type=int, help=f"its web process id ({pid_use})")
+    parser.add_argument("--log", type=Path, help="server log file (default: a temporary folder)")
+    parser.add_argument("--json", type=Path, help="also write the report here")
+
+
+def print_verdict(report: dict[str, Any], path: Path | None) -> int:
+    """Print a run's JSON report (and write it to `path`); the exit status: 0 when it `passed`."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if path:
+        path.write_text(text)
+    return 0 if report["passed"] else 1

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from app.tools.loadtest import Clip, add_clip_arguments, clips_from_args
-from app.tools.process import ServerProcess
+from app.tools.process import ServerProcess, add_server_arguments, print_verdict
 from app.tools.scrape import sample_value, scrape_metrics
 
 RSS_GROWTH_LIMIT = 0.05
@@ -311,16 +311,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--live", type=int, default=1, help="concurrent WebSocket clients")
     parser.add_argument("--speedup", type=float, default=2.0, help="live audio sent this many times real time")
     add_clip_arguments(parser)
-    parser.add_argument("--url", help="a running server (default: start one on a free loopback port)")
-    parser.add_argument("--server-pid", type=int, help="its web process id (for RSS/fd sampling with --url)")
-    parser.add_argument("--log", type=Path, help="server log file (default: a temporary folder)")
-    parser.add_argument("--json", type=Path, help="also write the report here")
+    add_server_arguments(parser, "for RSS/fd sampling with --url")
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    report = asyncio.run(soak(args))
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text)
-    return 0 if report["passed"] else 1
+    return print_verdict(asyncio.run(soak(args)), args.json)

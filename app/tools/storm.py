@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from app.tools.process import ServerProcess
+from app.tools.process import ServerProcess, add_server_arguments, print_verdict
 
 SR = 16000
 SHORT_CLIP = "whisper/jfk"
@@ -305,16 +305,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-slowdown", type=float, default=3.0, help="target: short upload latency / idle")
     parser.add_argument("--max-final-gap-s", type=float, default=30.0, help="target: longest time without a final")
     parser.add_argument("--manifest", type=Path, help="benchdata manifest.jsonl (default: ../shared/benchdata)")
-    parser.add_argument("--url", help="a running server (default: start one on a free loopback port)")
-    parser.add_argument("--server-pid", type=int, help="its web process id (memory is read from /proc)")
-    parser.add_argument("--log", type=Path, help="server log file (default: a temporary folder)")
-    parser.add_argument("--json", type=Path, help="also write the report here")
+    add_server_arguments(parser, "memory is read from /proc")
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    report = asyncio.run(storm(args))
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text)
-    return 0 if report["passed"] else 1
+    return print_verdict(asyncio.run(storm(args)), args.json)

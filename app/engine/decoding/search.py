@@ -19,7 +19,7 @@ Without drafts both are plain decoding, one token (one beam step) per pass.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -343,6 +343,18 @@ def rank(candidates: Sequence[tuple[int, float]], length_penalty: float | None) 
 
     scores = [score(n, lp) for n, lp in candidates]
     return int(np.argmax(scores))
+
+
+def best_of(candidates: list[Decoded], length_penalty: float | None) -> Decoded:
+    """The best ranked of a window's samples (openai-whisper's ranker), with the counters of all of them: they
+    shared each pass, so passes are counted once."""
+    best = candidates[rank([(len(d.tokens), d.sum_logprob) for d in candidates], length_penalty)]
+    stats = RowStats(main_passes=max(d.stats.main_passes for d in candidates))
+    for d in candidates:
+        stats.drafted += d.stats.drafted
+        stats.accepted += d.stats.accepted
+        stats.draft_passes = max(stats.draft_passes, d.stats.draft_passes)
+    return replace(best, stats=stats)
 
 
 @dataclass(frozen=True)

@@ -61,22 +61,6 @@ LONG_FORM_FIELDS = (
 _INTEGER_FIELDS = ("beam_size", "best_of")
 
 
-# openai-whisper's `transcribe()` options an upload may set (form fields of the same names).
-LONG_FORM_FIELDS = (
-    "condition_on_previous_text",
-    "compression_ratio_threshold",
-    "logprob_threshold",
-    "no_speech_threshold",
-    "hallucination_silence_threshold",
-    "clip_timestamps",
-    "beam_size",
-    "best_of",
-    "patience",
-    "length_penalty",
-)
-_INTEGER_FIELDS = ("beam_size", "best_of")
-
-
 def _long_form(raw: dict[str, str]) -> dict[str, Any]:
     """The `transcribe()` options of an upload's form fields; ApiError naming the field if one is invalid.
     A threshold of "none" (or "null") turns that check off."""
