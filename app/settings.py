@@ -116,7 +116,7 @@ class Settings(BaseSettings):
         gt=0,
         description="seconds of audio uploads may hold at once (a single-block upload all of its audio, a chunked"
         " one a few chunks, ~5 min at most); an upload that does not fit waits, and past a line of as much audio"
-        " gets 429",
+        " gets 429; uploads of 60 s or less have 240 s more of their own",
     )
     windows_per_turn: int = Field(
         1,

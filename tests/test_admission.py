@@ -160,3 +160,37 @@ def test_an_upload_that_leaves_the_line_frees_its_place() -> None:
         return budget.held, budget.waiting
 
     assert asyncio.run(main()) == (0, 0)
+
+
+def test_short_uploads_have_a_reserve_long_ones_cannot_fill() -> None:
+    """A budget of 100 s full of long uploads, and a line: a 5-s upload still gets in (a reserve of 10 s is its
+    own), two more fill the reserve; the next short one waits, and is let in past the long one before it in line
+    as soon as a short one leaves."""
+
+    async def main() -> list[str]:
+        budget, events = AudioBudget(100, short_seconds=5, reserve=10), []
+
+        async def upload(name: str, seconds: float, hold: asyncio.Event) -> None:
+            async with budget.hold(seconds, lambda: 7):
+                events.append(f"in {name}")
+                await hold.wait()
+
+        gates = {name: asyncio.Event() for name in ("long", "line", "s1", "s2", "s3")}
+        tasks = [asyncio.create_task(upload("long", 100, gates["long"]))]
+        await asyncio.sleep(0)
+        tasks.append(asyncio.create_task(upload("line", 50, gates["line"])))
+        await asyncio.sleep(0)
+        for name in ("s1", "s2", "s3"):
+            tasks.append(asyncio.create_task(upload(name, 5, gates[name])))
+            await asyncio.sleep(0)
+        assert events == ["in long", "in s1", "in s2"] and budget.held == 110 and budget.waiting == 2
+        gates["s1"].set()
+        await asyncio.sleep(0.01)
+        assert events[-1] == "in s3" and "in line" not in events
+        for gate in gates.values():
+            gate.set()
+        await asyncio.gather(*tasks)
+        assert budget.held == 0
+        return events
+
+    assert asyncio.run(main())[-1] == "in line"

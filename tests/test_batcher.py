@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from app.api.types import DecodingOptions
+from app.api.types import DecodingOptions, Metrics, Transcription
 from app.server.metrics import ServerMetrics
 from app.server.worker.batcher import Batcher, Lane
 from app.server.worker.client import Preempted
@@ -101,7 +101,7 @@ class HeldWorker:
         self.release.clear()
         return [JobResult(job.request_id, error="not decoded here") for job in jobs]
 
-    async def cancel(self, request_id: str) -> None:
+    async def cancel(self, request_id: str, *, keep: bool = False) -> None:
         self.cancelled.append(request_id)
 
 
@@ -172,3 +172,78 @@ def test_finished_utterances_and_partials_never_share_a_batch() -> None:
         return [*batches, first, after]
 
     assert asyncio.run(run()) == [["f1", "u1"], ["p1", "p2"], ["f2"], ["p3", "p4"]]
+
+
+class StoppingWorker(HeldWorker):
+    """A HeldWorker whose jobs stopped by a `keep` cancel (preempted) end "cancelled", as the engine ends them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: set[str] = set()
+
+    async def cancel(self, request_id: str, *, keep: bool = False) -> None:
+        await super().cancel(request_id)
+        if keep:
+            self.kept.add(request_id)
+
+    async def run(self, jobs: list[Job], on_progress: Any = None) -> list[JobResult]:
+        await super().run(jobs, on_progress)
+        zero = Metrics(0.0, 0.0, 0.0, 0.0, 0, 0, 0, 0.0, 0, 0, 0.0, 0.0, False, batch_size=0, windows=0)
+        stopped = Transcription("", [], None, None, 0.0, [], "cancelled", zero)
+        results = [
+            JobResult(
+                j.request_id,
+                stopped if j.request_id in self.kept else None,
+                error=None if j.request_id in self.kept else "x",
+            )
+            for j in jobs
+        ]
+        self.kept.clear()  # a new batch clears the cancellations of the last, as the worker's inbox does
+        return results
+
+
+def test_a_short_upload_preempts_long_uploads_once() -> None:
+    """Long uploads' jobs (`background`) run apart from short ones. A short upload that arrives while a batch of them
+    runs has it stopped in the worker; it runs alone, then the stopped jobs run again, first in their lane, and are
+    not stopped a second time: the next short upload waits for them. A long upload's resumed job is never stopped."""
+
+    def long(name: str, **fields: Any) -> Job:
+        return Job(name, np.zeros(1600, np.float32), DecodingOptions(), background=True, **fields)
+
+    async def run() -> None:
+        worker, metrics = StoppingWorker(), ServerMetrics()
+        batcher = Batcher(worker, metrics, max_batch=4, window_s=0.0, queue_size=16)  # type: ignore[arg-type]
+        batcher.submit(long("a-0"), Lane.UPLOAD)
+        batcher.submit(long("b-0", turn=0), Lane.UPLOAD)
+        batcher.start()
+        await _until(lambda: worker.ran == [["a-0", "b-0"]])
+        short = batcher.submit(_job("short"), Lane.UPLOAD)
+        await _until(lambda: worker.cancelled == ["a-0", "b-0"])
+        assert metrics.background_preempted._value.get() == 2
+        worker.release.set()
+        await _until(lambda: len(worker.ran) == 2)
+        assert worker.ran[1] == ["short"]
+        worker.release.set()
+        await _until(lambda: short.future.done() and len(worker.ran) == 3)
+        assert worker.ran[2] == ["a-0", "b-0"]  # again, and now for good
+        batcher.submit(_job("short2"), Lane.UPLOAD)
+        batcher.submit(long("c-1", turn=1), Lane.UPLOAD)
+        assert worker.cancelled == ["a-0", "b-0"]
+        worker.release.set()
+        await _until(lambda: len(worker.ran) == 4)
+        assert worker.ran[3] == ["short2"]  # c-1 arrived later but never shares its batch
+        worker.release.set()
+        await _until(lambda: len(worker.ran) == 5)
+        assert worker.ran[4] == ["c-1"]
+        worker.release.set()
+        batcher.submit(long("d-0", resume=True), Lane.UPLOAD)
+        await _until(lambda: len(worker.ran) == 6)
+        batcher.submit(_job("short3"), Lane.UPLOAD)
+        await asyncio.sleep(0.05)
+        assert worker.cancelled == ["a-0", "b-0"]
+        worker.release.set()
+        await _until(lambda: len(worker.ran) == 7)
+        worker.release.set()
+        await batcher.drain(1.0)
+
+    asyncio.run(run())

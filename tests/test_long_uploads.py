@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 import re
 import time
 from pathlib import Path
@@ -129,6 +130,68 @@ def test_a_short_upload_joins_the_batches_of_a_long_single_block_one(server: Ser
     assert long_answer.status_code == 200, long_answer.text
     assert long_answer.json()["metrics"]["audio_seconds"] > 170
     assert len(long_answer.json()["text"]) > 1000
+
+
+def test_a_short_upload_stops_a_batch_of_chunks_which_then_run_again_unchanged(
+    server: ServerProcess, benchdata: Path
+) -> None:
+    """A 3-minute chunked upload runs its first batch of chunks; a short upload sent then has that batch stopped in
+    the worker mid-window and runs first, right; the stopped chunks run again, and the long upload's answer is the
+    same, word for word, as when it ran alone."""
+    speech, rate = sf.read(benchdata / "audio/fleurs/fleurs-de-009.wav", dtype="int16")
+    out = io.BytesIO()
+    sf.write(out, np.tile(speech, 4), rate, format="FLAC")
+    fields = {"language": "de", "chunking_strategy": "auto"}
+    alone = httpx.post(
+        f"{server.url}/v1/audio/transcriptions",
+        data={"model": "whisper-1", **fields},
+        files={"file": ("a.flac", out.getvalue())},
+        timeout=300,
+    )
+    assert alone.status_code == 200, alone.text
+    batches = server_metric(server, "specwhisper_batch_size_count", default=0.0)
+    preempted = server_metric(server, "specwhisper_long_upload_jobs_preempted_total", default=0.0)
+
+    async def main() -> tuple[httpx.Response, httpx.Response, bool]:
+        async with httpx.AsyncClient(timeout=600) as client:
+            long = asyncio.create_task(_upload(client, server.url, out.getvalue(), **fields))
+            while server_metric(server, "specwhisper_batch_size_count", default=0.0) <= batches:
+                await asyncio.sleep(0.02)
+            answered = await _upload(client, server.url, (benchdata / SHORT_CLIP).read_bytes())
+            return answered, await long, long.done()
+
+    short_answer, long_answer, _ = asyncio.run(main())
+    assert short_answer.status_code == 200 and short_answer.json()["text"] == SHORT_TEXT
+    assert server_metric(server, "specwhisper_long_upload_jobs_preempted_total", default=0.0) > preempted
+    assert long_answer.status_code == 200, long_answer.text
+    assert long_answer.json()["text"] == alone.json()["text"] and len(alone.json()["text"]) > 1000
+
+
+def _nice(stat: Path) -> int:
+    return int(stat.read_text().rsplit(")", 1)[1].split()[16])
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads threads through /proc")
+def test_upload_threads_give_the_cores_to_the_worker(server: ServerProcess, benchdata: Path) -> None:
+    """The steps of uploads run on threads of lower priority than the web process's others, and the worker shares the
+    web process's session (where the kernel shares the CPU out by session, a session of its own split the cores
+    evenly between the two processes: on 2 cores the worker's two threads then shared one, and a short upload
+    took 13 s in place of 0.2), with a process group of its own (signals to the server's group reach the web process
+    alone)."""
+    assert server.proc is not None
+    web = server.proc.pid
+    r = httpx.post(
+        f"{server.url}/v1/audio/transcriptions",
+        data={"model": "whisper-1"},
+        files={"file": ("a.wav", (benchdata / SHORT_CLIP).read_bytes())},
+        timeout=300,
+    )
+    assert r.status_code == 200  # read on an upload thread
+    nices = {_nice(stat) for stat in Path(f"/proc/{web}/task").glob("*/stat")}
+    main = _nice(Path(f"/proc/{web}/stat"))
+    assert main + 10 in nices or 19 in nices, nices
+    worker = int(httpx.get(f"{server.url}/health/ready").json()["worker_pid"])
+    assert os.getsid(worker) == os.getsid(web) and os.getpgid(worker) != os.getpgid(web)
 
 
 def test_a_client_leaving_a_long_single_block_upload_frees_the_worker(server: ServerProcess, benchdata: Path) -> None:

@@ -107,6 +107,12 @@ class ServerMetrics:
             "live partials stopped in the worker to make room for a finished utterance",
             registry=r,
         )
+        self.background_preempted = Counter(
+            "specwhisper_long_upload_jobs_preempted",
+            "jobs of long uploads stopped in the worker mid-window to let a short upload or a live final run first"
+            " (each runs again, and is not stopped twice)",
+            registry=r,
+        )
         self.asyncio_tasks = Gauge("specwhisper_asyncio_tasks", "asyncio tasks in the web process", registry=r)
         self.asyncio_tasks.set_function(_task_count)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, ... of the web process

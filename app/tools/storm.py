@@ -79,13 +79,13 @@ def encoded(samples: np.ndarray, container: str = "FLAC", codec: str = "PCM_16")
     return out.getvalue()
 
 
-def long_speech(manifest: Path, seconds: float) -> np.ndarray:
-    """Benchdata's English clips, one after another with a half-second pause, repeated to `seconds`."""
+def long_speech(manifest: Path, seconds: float, pause_s: float = 0.5) -> np.ndarray:
+    """Benchdata's English clips, one after another with a pause of `pause_s`, repeated to `seconds`."""
     from app.api.audio import load_audio
     from app.tools.manifest import read_manifest
 
     clips = [c for c in read_manifest(manifest) if c.language == "en"][:20]
-    gap = np.zeros(SR // 2, np.float32)
+    gap = np.zeros(int(pause_s * SR), np.float32)
     once = np.concatenate([x for c in clips for x in (load_audio(c.audio), gap)])
     return np.resize(once, int(seconds * SR))
 
@@ -179,6 +179,9 @@ async def storm(args: argparse.Namespace) -> dict[str, Any]:
     seconds = args.minutes * 60
     silent = encoded(np.zeros(int(seconds * SR), np.int16))  # FLAC: ~3 kB a minute
     speech_audio = long_speech(manifest, 60 * (args.speech_minutes or args.minutes))
+    # The live speaker pauses a second between utterances, as a voice agent's user waits for its answer (with
+    # half a second, the server VAD's 500 ms, turns ran together for up to 30 s).
+    live_audio = long_speech(manifest, 600, pause_s=1.0)
     speech = encoded(speech_audio, "OGG", "OPUS")  # a voice note's format: an hour fits the 25-MB limit
     server: ServerProcess | None = None
     log = args.log or Path(tempfile.mkdtemp(prefix="specwhisper-storm-")) / "server.log"
@@ -194,6 +197,7 @@ async def storm(args: argparse.Namespace) -> dict[str, Any]:
         pids = [p for p in (web_pid, ready.get("worker_pid")) if p]
         web = PeakSampler([web_pid] if web_pid else [])
         whole = PeakSampler(pids)
+        worker = PeakSampler(pids[1:] if web_pid else pids)
         run = Storm(url, short)
         _, _, run.short_text = await run.upload(short, "short.wav")
         idle = []
@@ -208,9 +212,11 @@ async def storm(args: argparse.Namespace) -> dict[str, Any]:
         status, one_s, _ = await run.upload(silent, "silence.flac", chunking_strategy=args.chunking)
         one = {"status": status, "seconds": round(one_s, 1), "web_peak_rise_mb": round(web.peak - idle_web, 1)}
 
+        web.reset()
+        worker.reset()
         whole.reset()
         stop = asyncio.Event()
-        side = [asyncio.create_task(run.short_loop(stop)), asyncio.create_task(run.live_loop(speech_audio, stop))]
+        side = [asyncio.create_task(run.short_loop(stop)), asyncio.create_task(run.live_loop(live_audio, stop))]
         await asyncio.sleep(3.0)  # the live session under way
         started = time.monotonic()
         uploads = [run.upload(silent, f"silence-{k}.flac", chunking_strategy=args.chunking) for k in range(args.silent)]
@@ -226,8 +232,8 @@ async def storm(args: argparse.Namespace) -> dict[str, Any]:
         finals = [t for t in run.live_finals if t >= started]
         gaps = np.diff([started, *finals, started + storm_s]).tolist()
         after = httpx.get(f"{url}/health/ready", timeout=10).json()
-        web.stop()
-        whole.stop()
+        for sampler in (web, worker, whole):
+            sampler.stop()
         slowest = max(run.short_latencies, default=float("inf"))
         checks = {
             "one_upload_web_rise_mb": {
@@ -272,6 +278,8 @@ async def storm(args: argparse.Namespace) -> dict[str, Any]:
                 "seconds": round(storm_s, 1),
                 "answers": [{"status": s, "seconds": round(t, 1)} for s, t, _ in answers],
                 "server_peak_mb": round(whole.peak, 1),
+                "web_peak_mb": round(web.peak, 1),
+                "worker_peak_mb": round(worker.peak, 1),
                 "short_latency_s": {
                     "median": round(statistics.median(run.short_latencies), 3) if run.short_latencies else None,
                     "max": round(slowest, 3),

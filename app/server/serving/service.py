@@ -46,6 +46,7 @@ T = TypeVar("T")
 
 NON_AUDIO_TYPES = ("text/", "image/", "application/json", "application/xml", "application/pdf")
 SHORT_UPLOAD_S = 60.0  # an upload this short passes uploads waiting for the audio budget, when it fits
+SHORT_RESERVE_UPLOADS = 4  # short uploads' own room past the audio budget: this many of SHORT_UPLOAD_S
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,11 @@ class Upload:
     audio: EncodedAudio
     scan: AudioScan
     account: Account
+
+    @property
+    def long(self) -> bool:
+        """Longer than SHORT_UPLOAD_S: its jobs are `background`, a short upload's go first."""
+        return self.scan.seconds > SHORT_UPLOAD_S
 
 
 def _merged(
@@ -118,7 +124,12 @@ class TranscriptionService:
         self.rules = RequestRules(settings, self.models)
         self.replies = Replies(metrics)
         self.share = FairShare(settings.upload_threads)
-        self.budget = AudioBudget(settings.max_audio_in_flight_s, SHORT_UPLOAD_S, self._budget_changed)
+        self.budget = AudioBudget(
+            settings.max_audio_in_flight_s,
+            SHORT_UPLOAD_S,
+            self._budget_changed,
+            reserve=SHORT_RESERVE_UPLOADS * SHORT_UPLOAD_S,
+        )
         self.live_sessions = 0
 
     def close(self) -> None:
@@ -230,7 +241,7 @@ class TranscriptionService:
                 queue_ms = parts[0][2] if parts else 0.0
                 transcription = _merged(parts, upload, options)
             else:
-                job = Job(request_id, upload.audio, options, samples=upload.scan.samples)
+                job = Job(request_id, upload.audio, options, samples=upload.scan.samples, background=upload.long)
                 transcription, queue_ms = await self.result(self.submit(job))
         return self.replies.reply(req, transcription, queue_ms, (time.perf_counter() - started) * 1000)
 
@@ -246,7 +257,10 @@ class TranscriptionService:
         try:
             if chunking is not None:
                 return HeldEvents(self._chunked_events(req, request_id, upload, options, chunking, started), admitted)
-            pending = self.submit(Job(request_id, upload.audio, options, stream=True, samples=upload.scan.samples))
+            job = Job(
+                request_id, upload.audio, options, stream=True, samples=upload.scan.samples, background=upload.long
+            )
+            pending = self.submit(job)
         except BaseException as exc:
             await admitted.__aexit__(type(exc), exc, exc.__traceback__)
             raise
@@ -309,7 +323,7 @@ class TranscriptionService:
             return self.share.run(upload.account, step)
 
         def transcribe(k: int, samples: np.ndarray) -> Any:
-            return self.result(self.submit(Job(f"{request_id}-{k}", samples, options, turn=k)))
+            return self.result(self.submit(Job(f"{request_id}-{k}", samples, options, turn=k, background=upload.long)))
 
         idle = functools.partial(self.share.leave, upload.account)  # its long place, while it waits for the worker
         return chunk_results(chunks, run, transcribe, self.settings.max_batch, idle)

@@ -9,6 +9,12 @@ stopped in the worker at its next encoder layer or decoder pass, and the final r
 Finished utterances and partials never share a batch: where batching does not make a row
 cheaper (a CPU encodes each row's window in turn), partials riding along would delay the final
 by their encoding, and a batch holding a final could not be preempted for the next one.
+
+The work of long uploads (`Job.background`: a chunk, a window of a single-block upload) is batched
+with its own kind only, and goes after the rest of its lane. A short upload or a finished utterance
+that arrives while it runs preempts it the same way, but a preempted job is queued again at the
+head of its lane (not refused), runs again from its start, and is not preempted a second time;
+a resumed job (its earlier windows kept in the worker) is never stopped.
 """
 
 from __future__ import annotations
@@ -96,6 +102,8 @@ class Batcher:
         self.lanes[lane].append(pending)
         if lane is Lane.LIVE_FINAL:
             self._preempt_partials()
+        if lane is not Lane.LIVE_PARTIAL and not job.background:
+            self._preempt_background()
         self._arrived.set()
         self.metrics.queue_depth.set(self.depth)
         return pending
@@ -110,8 +118,18 @@ class Batcher:
                 self.metrics.partials_preempted.inc()
                 self._send_cancel(p.job.request_id)
 
-    def _send_cancel(self, request_id: str) -> None:
-        task = asyncio.ensure_future(self.worker.cancel(request_id))
+    def _preempt_background(self) -> None:
+        """A short job is waiting: a running batch of long uploads' jobs that may all be stopped makes room for it
+        (they queue again when the worker answers)."""
+        if not self.running or not all(p.preemptible and not p.future.done() for p in self.running):
+            return
+        for p in self.running:
+            p.preempted = True
+            self.metrics.background_preempted.inc()
+            self._send_cancel(p.job.request_id, keep=True)
+
+    def _send_cancel(self, request_id: str, *, keep: bool = False) -> None:
+        task = asyncio.ensure_future(self.worker.cancel(request_id, keep=keep))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -139,9 +157,9 @@ class Batcher:
 
     @staticmethod
     def _next_in(q: deque[Pending]) -> Pending:
-        """The job of the lowest `turn` (the earliest of them): a chunked upload's later chunks let the first job
-        of every other upload go first, so that a short upload never waits behind an hour-long one."""
-        best = min(range(len(q)), key=lambda i: q[i].job.turn)
+        """The earliest of the jobs that are not `background`, else of those of the lowest `turn`: a chunked
+        upload's later chunks let the first job of every other upload go first."""
+        best = min(range(len(q)), key=lambda i: (q[i].job.background, q[i].job.turn))
         pending = q[best]
         del q[best]
         return pending
@@ -172,6 +190,12 @@ class Batcher:
                 self._requeue(batch)  # a final arrived while partials gathered: it leads, they wait
                 return await self._collect()
             item = self._take(apart)
+            if item is not None and item.job.background != first.job.background:
+                self.lanes[item.lane].appendleft(item)
+                if first.job.background:  # a short job arrived while long ones gathered: it leads, they wait
+                    self._requeue(batch)
+                    return await self._collect()
+                break
             if item is not None and rows + item.job.options.rows > self.max_rows:
                 self.lanes[item.lane].appendleft(item)  # too wide for this batch: it leads the next one
                 break
@@ -202,6 +226,13 @@ class Batcher:
         pending.job = dataclasses.replace(pending.job, resume=True, turn=pending.job.turn + 1)
         self.lanes[pending.lane].append(pending)
         self._arrived.set()
+
+    def _run_again(self, preempted: list[Pending]) -> None:
+        """Preempted jobs queue again at the head of their lanes, in their order (a client may have left meanwhile:
+        then its job is dropped when taken)."""
+        if preempted:
+            self._requeue(preempted)
+            self._arrived.set()
 
     def _cancel_when_abandoned(self, pending: Pending) -> None:
         """A job whose client leaves (or times out) once it has run is stopped in the worker at its next window,
@@ -241,7 +272,15 @@ class Batcher:
                     if not p.future.done():
                         p.future.set_exception(exc)
             else:
+                again = [
+                    p
+                    for p, r in zip(batch, results, strict=True)
+                    if p.preempted and r.transcription is not None and r.transcription.finish == "cancelled"
+                ]
+                self._run_again(again)
                 for p, r in zip(batch, results, strict=True):
+                    if p in again:
+                        continue
                     if r.suspended:
                         self._resume_later(p)
                     elif not p.future.done():

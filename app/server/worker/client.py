@@ -64,6 +64,13 @@ class Pending:
     progress: asyncio.Queue[list[Segment]] | None = None  # segments of a streaming job, as they come
     enqueued: float = field(default_factory=time.perf_counter)
     dispatched: float = 0.0  # when it began to run (perf_counter); 0 while it waits
+    preempted: bool = False  # stopped once to let a short job run first: it runs to its end next time
+
+    @property
+    def preemptible(self) -> bool:
+        """A long upload's job that may be stopped mid-window and run again from its start: it holds no state in
+        the worker (not `resume`) and was not preempted before."""
+        return self.job.background and not self.job.resume and not self.preempted
 
 
 async def progress_until(

@@ -194,7 +194,8 @@ class Inbox:
                 message = None
             if isinstance(message, Cancel):
                 self._cancelled.add(message.request_id)
-                self._forgotten.append(message.request_id)
+                if not message.keep:
+                    self._forgotten.append(message.request_id)
             elif isinstance(message, BatchRequest):
                 self._cancelled = set()
                 self._batches.put(message)
@@ -216,18 +217,27 @@ class Inbox:
 
 
 def leave_the_server_group() -> None:
-    """Leave the web process's session and process group, but die with the web process.
+    """Leave the web process's process group (not its session), but die with the web process.
 
     The web process decides when we stop: it drains its requests first, which needs us. So a signal
-    sent to the server's process group (`timeout`, `kill -TERM -- -PGID`, a terminal's hang-up) must
-    reach the web process only; before, such a SIGTERM killed the worker mid-batch, failed the
-    requests being drained and had the worker restarted during shutdown. A new session also keeps
-    the terminal's job control (SIGTTOU, Ctrl+Z) off the worker. In exchange, a signal that kills
-    the whole group no longer kills us: on Linux the kernel sends us SIGKILL when the web process
-    dies (elsewhere the inbox sees the pipe close and the running batch stops at its next window).
+    sent to the server's process group (`timeout`, `kill -TERM -- -PGID`) must reach the web process
+    only; before, such a SIGTERM killed the worker mid-batch, failed the requests being drained and
+    had the worker restarted during shutdown. A terminal's Ctrl+C, Ctrl+Z and hang-up go to its
+    foreground group only, so they too reach the web process alone; writing to the terminal from a
+    background group (SIGTTOU, under `stty tostop`) is allowed here. In exchange, a signal that kills
+    the whole group no longer kills us: on Linux the kernel sends us SIGKILL when the web process dies
+    (elsewhere the inbox sees the pipe close and the running batch stops at its next window).
+
+    A group of our own, not a session: where the kernel shares the CPU out by session first (Linux's
+    `sched_autogroup`, on by default on many distributions), a session of our own split the cores
+    evenly between the two processes whatever their threads. On 2 cores, a busy upload thread of the
+    web process then kept a core to itself, and the worker's two threads shared the other, each of
+    their parallel regions waiting for a time slice: a 0.17-s batch took 13 s. In one session, the
+    upload threads' lower priority (`serving.admission.lower_priority`) gives the worker the cores.
     """
     parent = os.getppid()
-    os.setsid()
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGTTOU, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         pr_set_pdeathsig = 1
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)

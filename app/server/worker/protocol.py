@@ -24,6 +24,8 @@ class Job:
     turn: int = 0  # jobs of the same request queued before it (a chunked upload's k-th chunk: k; a resumed job's
     # earlier turns)
     resume: bool = False  # go on with the worker's suspended transcription of this request (`JobResult.suspended`)
+    background: bool = False  # work of a long upload: it batches with its kind only, and a short upload or a live
+    # final may stop it mid-window (once) to run first (`Batcher`)
 
     @property
     def length(self) -> int:
@@ -51,9 +53,11 @@ class BatchRequest:
 
 @dataclass(frozen=True)
 class Cancel:
-    """The client of a running job went away: stop it at its next window."""
+    """The client of a running job went away: stop it at its next window, and drop it if suspended. `keep`: the job
+    is only preempted (it runs again): stop it, but keep it if it ends the batch suspended."""
 
     request_id: str
+    keep: bool = False
 
 
 @dataclass(frozen=True)

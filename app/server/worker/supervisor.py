@@ -251,14 +251,15 @@ class WorkerSupervisor:
         result = await future
         return result.results
 
-    async def cancel(self, request_id: str) -> None:
-        """Ask the worker to stop a running job at its next window (best effort: it may have finished)."""
+    async def cancel(self, request_id: str, *, keep: bool = False) -> None:
+        """Ask the worker to stop a running job at its next window (best effort: it may have finished); `keep`: keep
+        it if it ends suspended (it was only preempted)."""
         conn = self._conn
         if conn is None or not self.is_ready:
             return
         with contextlib.suppress(OSError, ValueError):
             async with self._send_lock:
-                await asyncio.to_thread(conn.send, Cancel(request_id))
+                await asyncio.to_thread(conn.send, Cancel(request_id, keep))
 
     async def stop(self, timeout: float = 10.0) -> None:
         """A ready worker finishes its batch and exits; one still loading (it reads no messages yet) is
