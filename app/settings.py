@@ -82,6 +82,13 @@ class Settings(BaseSettings):
         " this off",
     )
     max_batch: int = Field(4, ge=1, le=4, description="most requests decoded together")
+    long_upload_batch: int = Field(
+        2,
+        ge=1,
+        le=4,
+        description="most jobs of long uploads (their chunks, or windows) decoded together: a short upload or live"
+        " final that comes while they run waits for a smaller batch, and the worker holds a smaller one",
+    )
     max_batch_rows: int = Field(
         10,
         ge=1,
@@ -125,7 +132,11 @@ class Settings(BaseSettings):
         " transcription so far waits in the worker); 0: all of them, the others wait",
     )
     upload_threads: int = Field(
-        1, ge=1, le=64, description="threads that decode uploads and run their VAD, a bounded step at a time"
+        1,
+        ge=1,
+        le=64,
+        description="threads (at a lower OS priority than the worker's) that decode uploads past their first second"
+        " and run their VAD, a bounded step at a time; one more thread reads every upload's first second",
     )
     request_timeout_s: float = Field(600.0, gt=0, description="a request waiting longer gets 504")
     shutdown_timeout_s: float = Field(30.0, ge=0, description="time to finish in-flight work on shutdown")

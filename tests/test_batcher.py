@@ -247,3 +247,18 @@ def test_a_short_upload_preempts_long_uploads_once() -> None:
         await batcher.drain(1.0)
 
     asyncio.run(run())
+
+
+def test_long_uploads_batch_apart_and_in_smaller_batches() -> None:
+    """Long uploads' jobs take at most `max_background` rows of a batch, and never share one with other jobs."""
+
+    def long(name: str) -> Job:
+        return Job(name, np.zeros(1600, np.float32), DecodingOptions(), background=True)
+
+    async def run() -> list[list[str]]:
+        batcher = Batcher(AlwaysReady(), ServerMetrics(), max_batch=4, window_s=0.0, queue_size=16, max_background=2)  # type: ignore[arg-type]
+        for job in (long("a"), long("b"), long("c"), _job("s1"), _job("s2")):
+            batcher.submit(job, Lane.UPLOAD)
+        return [[p.job.request_id for p in await batcher._collect()] for _ in range(3)]
+
+    assert asyncio.run(run()) == [["s1", "s2"], ["a", "b"], ["c"]]

@@ -1,14 +1,15 @@
 """What an upload may cost the web process: a share of its threads, and a place in the budget of audio in flight.
 
-`FairShare` runs the blocking work of uploads (decoding, levelling, the VAD), one bounded step at a time, on a
-few threads of their own (the event loop's default threads stay free). The step of the request that has used
-the least thread time goes first, so a short upload is read between two steps of an hour-long one. Past its
-first `QUANTUM_S`, a request also needs one of `threads` long places, given in the order the requests came:
-long uploads then finish one after another, holding their decoders' buffers one at a time, rather than all
-advancing together and all finishing last. The threads run at a lower OS priority (`BACKGROUND_NICE`): the
-worker's threads take the cores first. (On a 2-core machine an upload thread at equal priority took a core from
-the worker's two OpenMP threads, each of whose parallel regions then waited for a time slice: a 0.17-s short
-upload took 13 s.)
+`FairShare` runs the blocking work of uploads (decoding, levelling, the VAD), one bounded step at a time, on
+threads of their own (the event loop's default threads stay free). A request's first `QUANTUM_S` of steps runs
+on a thread kept for them, so a short upload is read at once, whatever long ones do. Past it, a request needs
+one of `threads` long places, given in the order the requests came, and its steps run on `threads` threads,
+the step of the request that has used the least time first: long uploads then finish one after another,
+holding their decoders' buffers one at a time, rather than all advancing together and all finishing last.
+Those threads run at a lower OS priority (`BACKGROUND_NICE`): the worker's threads take the cores first. (On a
+2-core machine an upload thread at equal priority took a core from the worker's two OpenMP threads, each of
+whose parallel regions then waited for a time slice; and a short upload waiting for a long one's step, slowed
+by its low priority, waited up to 14 s.)
 
 `AudioBudget` admits uploads by the seconds of audio they hold at once: a chunked upload holds a few chunks and
 blocks, whatever its length; a single-block upload holds all of it (decoded in the worker). A request that does
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import itertools
 import os
@@ -34,7 +36,7 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-QUANTUM_S = 1.0  # thread time every request gets before the ones that came earlier and have used more
+QUANTUM_S = 1.0  # thread time a request gets on the first thread, before it needs a long place
 BACKGROUND_NICE = 10  # the upload threads' niceness, added to the process's
 
 
@@ -56,45 +58,27 @@ class Account:
     order: int = 0
 
 
-class FairShare:
-    """`threads` threads for the uploads' blocking steps, given to the waiting step whose request has used the least
-    time (ties: the step that has waited longest); past `QUANTUM_S`, only the requests holding a long place run."""
+class _Threads:
+    """A few threads for blocking steps, each free one given to the waiting step of least `used` time (ties: the
+    one that has waited longest)."""
 
-    def __init__(self, threads: int) -> None:
-        self.threads = threads
-        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="upload", initializer=lower_priority)
+    def __init__(self, threads: int, name: str, nice: int) -> None:
+        self._executor = ThreadPoolExecutor(
+            threads, thread_name_prefix=name, initializer=functools.partial(lower_priority, nice)
+        )
         self._free = threads
         self._line: list[tuple[float, int, asyncio.Future[None]]] = []
         self._order = itertools.count()
-        self._arrivals = itertools.count()
-        self._long: set[int] = set()  # the orders of the accounts holding a long place
-        self._long_line: list[tuple[int, asyncio.Future[None]]] = []
-
-    def account(self) -> Account:
-        """A new request's account."""
-        return Account(order=next(self._arrivals))
 
     @property
     def waiting(self) -> int:
         return sum(1 for _, _, f in self._line if not f.done())
 
-    async def run(self, account: Account, step: Callable[[], T]) -> T:
-        """Run `step` on an upload thread when its turn comes. Cancelled while it runs, the step still finishes
-        (a thread cannot be stopped) and keeps its thread until then."""
-        if account.used >= QUANTUM_S and account.order not in self._long:
-            await self._long_place(account)
-        await self._turn(account.used)
+    async def run(self, used: float, step: Callable[[], T]) -> T:
+        await self._turn(used)
         loop = asyncio.get_running_loop()
-
-        def timed() -> T:
-            started = time.perf_counter()
-            try:
-                return step()
-            finally:
-                account.used += time.perf_counter() - started
-
         try:
-            future: Future[T] = self._executor.submit(timed)
+            future: Future[T] = self._executor.submit(step)
         except BaseException:
             self._release()
             raise
@@ -121,6 +105,50 @@ class FairShare:
                 turn.set_result(None)
                 return
         self._free += 1
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class FairShare:
+    """Threads for the uploads' blocking steps. A request's first `QUANTUM_S` of steps run on a thread of their own
+    at the process's priority (a short upload is read at once, whatever long ones do); the rest on `threads`
+    threads at a lower one, given to the waiting step whose request has used the least time, and only to requests
+    holding one of `threads` long places."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._first = _Threads(1, "upload-first", 0)
+        self._rest = _Threads(threads, "upload", BACKGROUND_NICE)
+        self._arrivals = itertools.count()
+        self._long: set[int] = set()  # the orders of the accounts holding a long place
+        self._long_line: list[tuple[int, asyncio.Future[None]]] = []
+
+    def account(self) -> Account:
+        """A new request's account."""
+        return Account(order=next(self._arrivals))
+
+    @property
+    def waiting(self) -> int:
+        return self._first.waiting + self._rest.waiting
+
+    async def run(self, account: Account, step: Callable[[], T]) -> T:
+        """Run `step` on an upload thread when its turn comes. Cancelled while it runs, the step still finishes
+        (a thread cannot be stopped) and keeps its thread until then."""
+        threads = self._first
+        if account.used >= QUANTUM_S:
+            if account.order not in self._long:
+                await self._long_place(account)
+            threads = self._rest
+
+        def timed() -> T:
+            started = time.perf_counter()
+            try:
+                return step()
+            finally:
+                account.used += time.perf_counter() - started
+
+        return await threads.run(account.used, timed)
 
     async def _long_place(self, account: Account) -> None:
         if len(self._long) < self.threads and not self._long_line:
@@ -150,7 +178,8 @@ class FairShare:
                 place.set_result(None)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._first.close()
+        self._rest.close()
 
 
 class OverBudget(Exception):

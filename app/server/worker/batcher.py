@@ -50,12 +50,14 @@ class Batcher:
         partial_max_wait_s: float = 1.0,
         max_queued_samples: int | None = None,
         max_rows: int | None = None,
+        max_background: int | None = None,
     ) -> None:
         self.worker = worker
         self.metrics = metrics
         self.max_batch = max_batch
         # decoding rows a batch may take (a beam-5 request takes 5); a request wider than this runs alone
         self.max_rows = max_rows if max_rows is not None else max_batch
+        self.max_background = max_background if max_background is not None else max_batch  # jobs of long uploads
         self.window_s = window_s
         self.queue_size = queue_size
         self.partial_max_wait_s = partial_max_wait_s
@@ -184,7 +186,8 @@ class Batcher:
         batch = [first]
         rows = first.job.options.rows
         deadline = time.perf_counter() + self.window_s
-        while len(batch) < self.max_batch and rows < self.max_rows:
+        most = self.max_background if first.job.background else self.max_batch
+        while len(batch) < most and rows < self.max_rows:
             apart = self._apart(batch)
             if self.lanes[Lane.LIVE_FINAL] and apart is Lane.LIVE_FINAL:
                 self._requeue(batch)  # a final arrived while partials gathered: it leads, they wait

@@ -45,6 +45,7 @@ class LocalWorker:
             settings.realtime_partial_max_wait_s,
             max_queued_samples=round(settings.max_queued_audio_seconds * SAMPLE_RATE),
             max_rows=max(settings.max_batch_rows, settings.max_batch),
+            max_background=settings.long_upload_batch,
         )
 
     def _on_ready(self, ready: Ready) -> None:
