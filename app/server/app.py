@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.api import errors
 from app.api.formats import language_names
-from app.engine.heap import limit_heap
+from app.server.allocator import limit_heap
 from app.server.http.auth import authorized, bearer
 from app.server.http.limits import BodyLimit, ClientGone
 from app.server.http.redact import install as redact_logs
@@ -85,7 +85,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redact_logs(settings.api_keys)  # uvicorn has configured logging by now
-        limit_heap(arenas=2, mmap_threshold=256 << 10)  # before the upload threads start (`heap.limit_heap`)
+        limit_heap(arenas=2, mmap_threshold=256 << 10)  # before the upload threads start (`allocator.py`)
         client = make_engine(settings, metrics)
         vad = SileroVad()
         service = TranscriptionService(settings, client, metrics, vad)
