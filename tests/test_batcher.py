@@ -262,3 +262,27 @@ def test_long_uploads_batch_apart_and_in_smaller_batches() -> None:
         return [[p.job.request_id for p in await batcher._collect()] for _ in range(3)]
 
     assert asyncio.run(run()) == [["s1", "s2"], ["a", "b"], ["c"]]
+
+
+def test_a_partial_waits_for_a_gathering_batch_of_long_uploads() -> None:
+    """A long upload's job gathering a batch, and a fresh partial queued: the partial neither joins nor leads it (it
+    would not go first), it runs next; a short upload that arrives while the long ones gather leads instead."""
+
+    def long(name: str) -> Job:
+        return Job(name, np.zeros(1600, np.float32), DecodingOptions(), background=True)
+
+    async def run() -> list[list[str]]:
+        batcher = Batcher(AlwaysReady(), ServerMetrics(), max_batch=4, window_s=0.0, queue_size=16)  # type: ignore[arg-type]
+        batcher.submit(long("a"), Lane.UPLOAD)
+        batcher.submit(_job("partial"), Lane.LIVE_PARTIAL)
+        batches = [[p.job.request_id for p in await asyncio.wait_for(batcher._collect(), 5)] for _ in range(2)]
+
+        gathering = Batcher(AlwaysReady(), ServerMetrics(), max_batch=4, window_s=1.0, queue_size=16)  # type: ignore[arg-type]
+        gathering.submit(long("b"), Lane.UPLOAD)
+        collecting = asyncio.ensure_future(gathering._collect())
+        await asyncio.sleep(0.05)
+        gathering.submit(_job("short"), Lane.UPLOAD)
+        first = [p.job.request_id for p in await asyncio.wait_for(collecting, 5)]
+        return [*batches, first]
+
+    assert asyncio.run(run()) == [["a"], ["partial"], ["short"]]

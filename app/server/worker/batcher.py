@@ -14,7 +14,8 @@ The work of long uploads (`Job.background`: a chunk, a window of a single-block 
 with its own kind only, and goes after the rest of its lane. A short upload or a finished utterance
 that arrives while it runs preempts it the same way, but a preempted job is queued again at the
 head of its lane (not refused), runs again from its start, and is not preempted a second time;
-a resumed job (its earlier windows kept in the worker) is never stopped.
+a resumed job (its earlier windows kept in the worker) or a streamed one (it would send its
+segments twice) is never stopped.
 """
 
 from __future__ import annotations
@@ -195,7 +196,9 @@ class Batcher:
             item = self._take(apart)
             if item is not None and item.job.background != first.job.background:
                 self.lanes[item.lane].appendleft(item)
-                if first.job.background:  # a short job arrived while long ones gathered: it leads, they wait
+                if first.job.background and item.lane is not Lane.LIVE_PARTIAL:
+                    # A short upload or a final arrived while long ones gathered: it leads, they wait (`_take`
+                    # gives it before them; a partial it would not, so a partial waits for the next batch).
                     self._requeue(batch)
                     return await self._collect()
                 break

@@ -69,8 +69,9 @@ class Pending:
     @property
     def preemptible(self) -> bool:
         """A long upload's job that may be stopped mid-window and run again from its start: it holds no state in
-        the worker (not `resume`) and was not preempted before."""
-        return self.job.background and not self.job.resume and not self.preempted
+        the worker (not `resume`), sends no segments as it goes (`stream`: run again, it would send them twice)
+        and was not preempted before."""
+        return self.job.background and not self.job.resume and not self.job.stream and not self.preempted
 
 
 async def progress_until(
