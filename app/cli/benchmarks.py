@@ -12,6 +12,15 @@ from app.cli.flags import add_common, overrides, settings_of
 from app.tools.manifest import default_manifest
 
 
+def _printed(report: object, args: argparse.Namespace) -> int:
+    """Print a benchmark's JSON report, and write it to `--json` where given."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text)
+    return 0
+
+
 def _bench_server(args: argparse.Namespace) -> int:
     from app.tools.serverbench import run_server_bench
 
@@ -29,10 +38,7 @@ def _bench_server(args: argparse.Namespace) -> int:
         max_seconds=args.max_seconds,
         env=env,
     )
-    print(json.dumps(report, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
-    return 0
+    return _printed(report, args)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -79,10 +85,7 @@ def _bench_audio(args: argparse.Namespace) -> int:
         report = run_bench_audio(
             args.manifest, args.part, args.long_minutes, args.reference, args.threads or 2, clips=args.clips
         )
-    print(json.dumps(report, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
-    return 0
+    return _printed(report, args)
 
 
 def _realtime_bench(args: argparse.Namespace) -> int:
@@ -98,10 +101,7 @@ def _realtime_bench(args: argparse.Namespace) -> int:
         tuple(args.turn_detection.split(",")),
         args.pause_ms,
     )
-    print(json.dumps(report, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
-    return 0
+    return _printed(report, args)
 
 
 def _peer_bench(args: argparse.Namespace) -> int:
