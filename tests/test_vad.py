@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from app.api.types import InvalidRequestError
 from app.server.serving.chunking import CHUNK_SECONDS, Chunk, normalized, plan
 from app.server.serving.uploads import AUTO_VAD, UPLOAD_VAD, AudioScan, Chunking, ChunkScan
+from app.server.silero import RegionRules, TurnTracker
 from app.server.vad import WINDOW, SileroVad, VadParams, server_vad, settled_regions
 
 SR = 16000
@@ -62,7 +63,7 @@ def test_regions_are_cut_at_pauses_to_fit_a_chunk(vad: SileroVad, clip: Callable
 
 def test_regions_as_found_are_silero_s_regions(vad: SileroVad, clip: Callable[[str], np.ndarray]) -> None:
     """Yielded while the VAD still listens, the regions are those the library finds over the whole upload."""
-    from silero_vad import get_speech_timestamps
+    from silero_vad import get_speech_timestamps, load_silero_vad
 
     rng = np.random.default_rng(3)
     speech = clip(SPEECH)
@@ -75,7 +76,7 @@ def test_regions_as_found_are_silero_s_regions(vad: SileroVad, clip: Callable[[s
     for params, max_seconds in ((VadParams(), CHUNK_SECONDS), (VadParams(0.3, 400, 2000, 100), 12.0)):
         expected = get_speech_timestamps(
             audio,
-            vad._fresh(),
+            load_silero_vad(onnx=True),
             threshold=params.threshold,
             min_speech_duration_ms=params.min_speech_duration_ms,
             min_silence_duration_ms=params.silence_duration_ms,
@@ -99,27 +100,61 @@ def test_regions_as_found_are_silero_s_regions(vad: SileroVad, clip: Callable[[s
     st.sampled_from([100, 500, 2000]),
     st.sampled_from([0, 30, 400]),
     st.sampled_from([2.0, 5.0, 30.0, float("inf")]),
+    st.sampled_from([0.1, 0.5, 0.8]),
 )
 def test_a_region_is_yielded_once_no_later_audio_changes_it(
-    runs: list[tuple[float, int]], blocks: list[int], min_speech: int, silence: int, pad: int, longest: float
+    runs: list[tuple[float, int]],
+    blocks: list[int],
+    min_speech: int,
+    silence: int,
+    pad: int,
+    longest: float,
+    threshold: float,
 ) -> None:
     """Any probabilities, in any blocks: the regions yielded as found are the library's over all of them."""
     from silero_vad.utils_vad import get_speech_timestamps_from_probs
 
-    probs = [p for p, n in runs for p in [p] * n]
-    rules = {
-        "threshold": 0.5,
-        "sampling_rate": SR,
-        "min_speech_duration_ms": min_speech,
-        "min_silence_duration_ms": silence,
-        "speech_pad_ms": pad,
-        "max_speech_duration_s": longest,
-    }
+    probs = [float(np.float32(p)) for p, n in runs for p in [p] * n]  # float32, as the model gives them
+    rules = RegionRules(threshold, min_speech, silence, pad, longest)
     cuts = np.cumsum(blocks).tolist()
     parts = [probs[a:b] for a, b in zip([0, *cuts], [*cuts, len(probs)], strict=True) if a < len(probs)]
     length = len(probs) * WINDOW - 100
-    expected = get_speech_timestamps_from_probs(probs, audio_length_samples=length, **rules)
+    expected = get_speech_timestamps_from_probs(
+        probs,
+        audio_length_samples=length,
+        sampling_rate=SR,
+        threshold=rules.threshold,
+        min_speech_duration_ms=min_speech,
+        min_silence_duration_ms=silence,
+        speech_pad_ms=pad,
+        max_speech_duration_s=longest,
+    )
     assert list(settled_regions(parts, rules, length)) == [(r["start"], r["end"]) for r in expected]
+
+
+def test_the_model_and_turns_are_the_silero_package_s(vad: SileroVad, clip: Callable[[str], np.ndarray]) -> None:
+    """Run without torch, the model gives the package's probabilities, bit for bit, and the turn tracker the
+    package's `VADIterator` starts and ends, on speech in silence and noise."""
+    import torch
+    from silero_vad import VADIterator, load_silero_vad
+
+    speech = clip(SPEECH)
+    gap = np.zeros(3 * SR, np.float32)
+    audio = np.concatenate([_noise(1, 0.01), speech, gap, speech * 0.3, _noise(2, 0.05), gap])
+    frames = audio[: audio.size // WINDOW * WINDOW].reshape(-1, WINDOW)
+    package = load_silero_vad(onnx=True)
+    with torch.no_grad():
+        expected = [package(torch.from_numpy(frame), SR).item() for frame in frames]
+    ours = vad.frames()
+    probs = [ours(frame) for frame in frames]
+    assert probs == expected and max(probs) > 0.9 and min(probs) < 0.1
+    for threshold, silence_ms in ((0.5, 500), (0.3, 100), (0.8, 2000)):
+        iterator = VADIterator(load_silero_vad(onnx=True), threshold, SR, silence_ms, speech_pad_ms=0)
+        tracker = TurnTracker(threshold, silence_ms)
+        theirs = [iterator(torch.from_numpy(frame)) for frame in frames]
+        mine = [tracker.step(p) for p in probs]
+        assert [tuple(*t.items()) if t else None for t in theirs] == mine
+        assert sum(m is not None for m in mine) >= 2
 
 
 def test_stream_reports_turns_as_regions_do(vad: SileroVad, clip: Callable[[str], np.ndarray]) -> None:

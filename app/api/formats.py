@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
+from app.api.languages import LANGUAGES
 from app.api.types import Transcription
 
 FORMATS = ("text", "json", "verbose_json", "srt", "vtt")
@@ -31,18 +31,9 @@ def to_vtt(result: Transcription) -> str:
     return "WEBVTT\n\n" + "\n".join(cues)
 
 
-@functools.cache
-def language_names() -> dict[str, str]:
-    """Whisper's language names by code (the table openai-whisper has). Its first call imports transformers
-    (~0.2-1.5 s): a server makes it at start-up, off the event loop."""
-    from transformers.models.whisper.tokenization_whisper import LANGUAGES
-
-    return dict(LANGUAGES)
-
-
 def language_name(code: str | None) -> str | None:
     """A language code's name, as OpenAI's `verbose_json` gives it: "en" -> "english"."""
-    return None if code is None else language_names().get(code, code)
+    return None if code is None else LANGUAGES.get(code, code)
 
 
 def to_verbose_json(result: Transcription, task: str, words: bool) -> dict[str, Any]:

@@ -11,6 +11,14 @@ from tokenizers import Tokenizer as _HFTokenizer
 from app.api.types import TASKS
 
 
+def byte_alphabet() -> list[str]:
+    """The character that stands for each byte (0..255) in a byte-level BPE vocabulary (GPT-2's): a printable
+    Latin-1 character stands for itself, every other byte for chr(256 + n), n counting those bytes in order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    others = iter(range(256, 512))
+    return [chr(byte) if byte in printable else chr(next(others)) for byte in range(256)]
+
+
 class VocabularyMismatchError(ValueError):
     """Main and assistant models do not share a vocabulary."""
 
@@ -107,10 +115,8 @@ class WhisperTokenizer:
 
     @cached_property
     def _byte_of(self) -> dict[str, int]:
-        """Byte-level BPE's alphabet: the character that stands for each byte in the vocabulary, reversed."""
-        from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-        return {char: byte for byte, char in bytes_to_unicode().items()}
+        """Byte-level BPE's alphabet, reversed: the byte each character of the vocabulary stands for."""
+        return {char: byte for byte, char in enumerate(byte_alphabet())}
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes an ordinary token stands for (UTF-8 text, or part of a character)."""

@@ -16,7 +16,6 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.api import errors
-from app.api.formats import language_names
 from app.server.allocator import limit_heap
 from app.server.http.auth import authorized, bearer
 from app.server.http.limits import BodyLimit, ClientGone
@@ -93,11 +92,7 @@ def create_app(
         app.state.status = ServerStatus(client, metrics, service)
         await client.start()
         # While the worker loads its models (readiness waits for the VAD too); the server answers meanwhile.
-        # verbose_json's language names come from transformers, whose import would stall the event loop.
-        loading = [
-            _load_in_background(vad.load, "the VAD (silero-vad)"),
-            _load_in_background(language_names, "the language names (transformers)"),
-        ]
+        loading = [_load_in_background(vad.load, "the VAD (silero-vad)")]
         if preload:
             await asyncio.gather(*loading)
         try:

@@ -1,4 +1,5 @@
-"""Voice-activity detection: Silero VAD (the `silero-vad` package's ONNX model, run by onnxruntime on the CPU).
+"""Voice-activity detection: Silero VAD (the `silero-vad` package's ONNX model, run by onnxruntime on the CPU,
+without torch: `app.server.silero`).
 
 The one VAD of the server: it finds the speech regions of an upload fed in blocks (`SileroVad.finder`, for
 `chunking_strategy`; `regions` over samples held whole) and follows a live stream's turns (`SileroVad.stream`,
@@ -6,18 +7,12 @@ for realtime sessions). Its knobs are OpenAI's (`VadParams`): `threshold` is Sil
 `silence_duration_ms` the silence that ends speech, `prefix_padding_ms` the audio kept before it;
 `min_speech_duration_ms` (ours) is the shortest sound that counts as speech.
 
-One ONNX session serves every caller: each call or stream works on a shallow copy of the model wrapper,
-which shares the session and keeps its own recurrent state. The package imports torch (it hands tensors to
-the wrapper, and sets torch's threads to 1 in the process that imports it): only the web process, which
-runs no model of its own, loads it; it costs ~1.7 s and ~200 MB there, paid once at start-up (`load`).
+One ONNX session serves every caller: each call or stream keeps its own recurrent state (`FrameModel`).
 """
 
 from __future__ import annotations
 
-import copy
-import os
 import threading
-import warnings
 from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -27,8 +22,8 @@ import numpy as np
 
 from app.api.audio import SAMPLE_RATE
 from app.api.types import InvalidRequestError
+from app.server.silero import WINDOW, FrameModel, RegionRules, SileroModel, TurnTracker, speech_regions
 
-WINDOW = 512  # samples per Silero frame at 16 kHz (32 ms)
 PAUSE_MS = 200  # silence before a pause is reported (between-word gaps are shorter)
 FIRST_BLOCK = 313  # frames (10 s) heard before an upload's regions are first looked at
 
@@ -98,7 +93,7 @@ class VadEvent:
 
 
 class RegionSettler:
-    """Silero's speech regions (`get_speech_timestamps_from_probs` with `rules`) of a stream whose frame probabilities
+    """Silero's speech regions (`speech_regions` with `rules`) of a stream whose frame probabilities
     come in blocks, each region given once no later frame can change it. The rules run left to right: after each
     block they rerun over the frames so far, and all but the last two regions are final (the last may still grow,
     be cut or be dropped as too short; the one before it is padded towards the last one's start).
@@ -107,7 +102,7 @@ class RegionSettler:
     `grouped`: probabilities are held until at least `FIRST_BLOCK` frames, or a quarter of those heard, have come
     (each rerun goes over all the frames so far: growing blocks keep the reruns' total cost linear)."""
 
-    def __init__(self, rules: dict[str, Any], *, grouped: bool = True) -> None:
+    def __init__(self, rules: RegionRules, *, grouped: bool = True) -> None:
         self.rules = rules
         self.grouped = grouped
         self._probs = array("f")  # float32, as Silero gives them: 4 bytes a frame, not a Python float's 32
@@ -122,28 +117,22 @@ class RegionSettler:
         return self._settle()
 
     def _settle(self) -> list[tuple[int, int]]:
-        from silero_vad.utils_vad import get_speech_timestamps_from_probs
-
         self._probs.extend(self._pending)
         self._pending = []
-        length = len(self._probs) * WINDOW
-        found = get_speech_timestamps_from_probs(self._probs.tolist(), audio_length_samples=length, **self.rules)
-        settled = [(int(r["start"]), int(r["end"])) for r in found[self._done : -2]]
+        found = speech_regions(self._probs.tolist(), len(self._probs) * WINDOW, self.rules)
+        settled = found[self._done : -2]
         self._done = max(self._done, len(found) - 2)
         return settled
 
     def finish(self, length: int) -> list[tuple[int, int]]:
         """The remaining regions, once the stream (`length` samples) has ended."""
-        from silero_vad.utils_vad import get_speech_timestamps_from_probs
-
         settled = self._settle() if self._pending else []
         if not self._probs:
             return settled
-        found = get_speech_timestamps_from_probs(self._probs.tolist(), audio_length_samples=length, **self.rules)
-        return settled + [(int(r["start"]), int(r["end"])) for r in found[self._done :]]
+        return settled + speech_regions(self._probs.tolist(), length, self.rules)[self._done :]
 
 
-def settled_regions(blocks: Iterable[list[float]], rules: dict[str, Any], length: int) -> Iterator[tuple[int, int]]:
+def settled_regions(blocks: Iterable[list[float]], rules: RegionRules, length: int) -> Iterator[tuple[int, int]]:
     """`RegionSettler` over frame probabilities in the blocks given (ungrouped), for `length` samples."""
     settler = RegionSettler(rules, grouped=False)
     for block in blocks:
@@ -155,7 +144,7 @@ class FrameProbabilities:
     """Silero's speech probability of each 512-sample frame of a stream fed in blocks of any size (the last frame
     padded with zeros at the end), as `get_speech_timestamps` computes them."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: FrameModel) -> None:
         self._model = model
         self._rest = np.zeros(0, dtype=np.float32)
         self.samples = 0  # fed so far
@@ -174,11 +163,7 @@ class FrameProbabilities:
         return self._run(np.pad(rest, (0, WINDOW - rest.size)).reshape(1, WINDOW))
 
     def _run(self, frames: np.ndarray) -> list[float]:
-        import torch
-
-        with torch.no_grad():
-            tensor = torch.from_numpy(np.ascontiguousarray(frames, dtype=np.float32))
-            return [float(self._model(frame, SAMPLE_RATE).item()) for frame in tensor]
+        return [self._model(frame) for frame in frames.astype(np.float32, copy=False)]
 
 
 class RegionFinder:
@@ -186,7 +171,7 @@ class RegionFinder:
     regions that audio settled, `finish` the rest; each region ends within the audio. Blocking (~2.5 ms per second
     of audio)."""
 
-    def __init__(self, model: Any, rules: dict[str, Any]) -> None:
+    def __init__(self, model: FrameModel, rules: RegionRules) -> None:
         self._probabilities = FrameProbabilities(model)
         self._settler = RegionSettler(rules)
 
@@ -209,7 +194,7 @@ class SileroVad:
     """The loaded Silero model; thread-safe (each use keeps its own state)."""
 
     def __init__(self) -> None:
-        self._model: Any = None
+        self._model: SileroModel | None = None
         self._lock = threading.Lock()
 
     @property
@@ -220,21 +205,14 @@ class SileroVad:
         """Load the model now (else on first use, which then waits for it)."""
         with self._lock:
             if self._model is None:
-                # onnxruntime's official Linux builds report usage to Microsoft (and leave a `.ses` file in the
-                # temporary folder) unless this is set before it starts: a transcription server sends nothing.
-                os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
-                from silero_vad import load_silero_vad
-
-                with warnings.catch_warnings():  # its use of importlib.resources.path, deprecated
-                    warnings.simplefilter("ignore", DeprecationWarning)
-                    self._model = load_silero_vad(onnx=True)
+                self._model = SileroModel()
         return self
 
-    def _fresh(self) -> Any:
-        """A model wrapper of its own: the shared ONNX session, a new recurrent state."""
-        model = copy.copy(self.load()._model)
-        model.reset_states()
-        return model
+    def frames(self) -> FrameModel:
+        """A stream of frames of its own: the shared ONNX session, a new recurrent state."""
+        model = self.load()._model
+        assert model is not None
+        return model.frames()
 
     def regions(self, audio: np.ndarray, params: VadParams, max_seconds: float = float("inf")) -> list[tuple[int, int]]:
         """The speech of 16-kHz mono `audio` as [start, end) sample ranges, each padded by `prefix_padding_ms`
@@ -255,15 +233,14 @@ class SileroVad:
 
     def finder(self, params: VadParams, max_seconds: float = float("inf")) -> RegionFinder:
         """A `RegionFinder` with these parameters (regions at most `max_seconds` long, see `regions`)."""
-        rules = {
-            "threshold": params.threshold,
-            "sampling_rate": SAMPLE_RATE,
-            "min_speech_duration_ms": params.min_speech_duration_ms,
-            "min_silence_duration_ms": params.silence_duration_ms,
-            "speech_pad_ms": params.prefix_padding_ms,
-            "max_speech_duration_s": max_seconds,
-        }
-        return RegionFinder(self._fresh(), rules)
+        rules = RegionRules(
+            threshold=params.threshold,
+            min_speech_duration_ms=params.min_speech_duration_ms,
+            min_silence_duration_ms=params.silence_duration_ms,
+            speech_pad_ms=params.prefix_padding_ms,
+            max_speech_duration_s=max_seconds,
+        )
+        return RegionFinder(self.frames(), rules)
 
     def stream(self, params: VadParams) -> SpeechStream:
         return SpeechStream(self, params)
@@ -281,16 +258,9 @@ class SpeechStream:
     Padding is the caller's: `prefix_padding_ms` is in `params` for it."""
 
     def __init__(self, vad: SileroVad, params: VadParams) -> None:
-        from silero_vad import VADIterator
-
         self.params = params
-        self._iterator = VADIterator(
-            vad._fresh(),
-            threshold=params.threshold,
-            sampling_rate=SAMPLE_RATE,
-            min_silence_duration_ms=params.silence_duration_ms,
-            speech_pad_ms=0,
-        )
+        self._model = vad.frames()
+        self._turns = TurnTracker(params.threshold, params.silence_duration_ms)
         self._rest = np.zeros(0, dtype=np.float32)
         self._position = 0  # samples consumed into whole frames
         self._pending: int | None = None  # a start not yet long enough to report
@@ -306,19 +276,19 @@ class SpeechStream:
         min_speech = self.params.min_speech_duration_ms * SAMPLE_RATE // 1000
         for frame in data[: n * WINDOW].reshape(n, WINDOW):
             self._position += WINDOW
-            change = self._iterator(frame)
-            if change is not None and "start" in change:
-                self._pending = int(change["start"])
-            elif change is not None and "end" in change:
+            change = self._turns.step(self._model(frame))
+            if change is not None and change[0] == "start":
+                self._pending = change[1]
+            elif change is not None:
                 if self.speaking:
-                    events.append(VadEvent("stop", max(int(change["end"]), 0)))
+                    events.append(VadEvent("stop", max(change[1], 0)))
                 self._pending, self.speaking = None, False
             if self._pending is not None and self._position - self._pending >= min_speech:
                 events.append(VadEvent("start", self._pending))
                 self._pending, self.speaking = None, True
-            # Silero's iterator marks where the silence began (`temp_end`) until it ends the speech there or hears
-            # speech again; the stop it would report is that sample less one frame.
-            silent_since = int(getattr(self._iterator, "temp_end", 0) or 0)
+            # The tracker marks where the silence began until it ends the speech there or hears speech again; the
+            # stop it would report is that sample less one frame.
+            silent_since = self._turns.silent_since
             paused = self.speaking and silent_since > 0 and self._position - silent_since >= self.pause_after
             if paused and not self.paused:
                 events.append(VadEvent("pause", max(silent_since - WINDOW, 0)))
@@ -330,6 +300,5 @@ class SpeechStream:
     def end_turn(self) -> None:
         """The caller ended the turn during a pause (before `silence_duration_ms`): the silence goes on as no
         speech, and the next speech is a new start."""
-        self._iterator.triggered = False
-        self._iterator.temp_end = 0
+        self._turns.end_turn()
         self._pending, self.speaking, self.paused = None, False, False
