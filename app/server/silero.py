@@ -2,7 +2,9 @@
 turn its frame probabilities into speech regions and live turns, over numpy arrays and Python floats.
 
 The package imports torch as it loads (~200 MB and ~1.7 s in the web process, which runs no model of its own);
-this module only reads its model file. Each piece gives exactly what the package's does (`OnnxWrapper`,
+this module only reads its model files. It runs the wheel's "sequence" export of the model, which takes many
+frames in one call (the stock export takes one: a call per 32 ms of audio, whose overhead was most of the cost)
+and gives the same probabilities, bit for bit. Each piece gives exactly what the package's does (`OnnxWrapper`,
 `get_speech_timestamps_from_probs`, `VADIterator`) at 16 kHz with the package's defaults for the knobs the server
 does not set: tests/test_vad.py holds them equal on real audio and on any probabilities.
 """
@@ -20,7 +22,8 @@ import numpy as np
 SAMPLE_RATE = 16000
 WINDOW = 512  # samples per frame at 16 kHz (32 ms)
 CONTEXT = 64  # samples of the previous frame the model hears before each frame
-MODEL_FILE = "silero_vad.onnx"  # the package's default ONNX model (opset 16, 8 and 16 kHz)
+MODEL_FILE = "silero_vad_16k_sequence.onnx"  # frames (N x (CONTEXT + WINDOW)) and the LSTM's state -> N probabilities
+MAX_FRAMES = 512  # frames per call (16 s): the package's default for this model
 
 
 def model_path() -> Path:
@@ -54,22 +57,28 @@ class SileroModel:
 
 
 class FrameModel:
-    """Silero's speech probability of each 512-sample frame of one stream, in order: the model's recurrent state
-    (2 x 1 x 128) and the last `CONTEXT` samples carry from each frame to the next."""
-
-    _RATE = np.array(SAMPLE_RATE, dtype=np.int64)
+    """Silero's speech probability of each 512-sample frame of one stream, in order: the LSTM's state (h and c,
+    1 x 1 x 128 each) and the last `CONTEXT` samples carry from each frame to the next."""
 
     def __init__(self, session: Any) -> None:
         self._session = session
-        self._state = np.zeros((2, 1, 128), dtype=np.float32)
-        self._context = np.zeros((1, CONTEXT), dtype=np.float32)
+        self._h = np.zeros((1, 1, 128), dtype=np.float32)
+        self._c = np.zeros((1, 1, 128), dtype=np.float32)
+        self._context = np.zeros(CONTEXT, dtype=np.float32)
 
-    def __call__(self, frame: np.ndarray) -> float:
-        """`frame`: (WINDOW,) float32 samples -> the probability that it is speech."""
-        x = np.concatenate([self._context, frame.reshape(1, WINDOW).astype(np.float32, copy=False)], axis=1)
-        out, self._state = self._session.run(None, {"input": x, "state": self._state, "sr": self._RATE})
-        self._context = x[:, -CONTEXT:]
-        return float(out[0, 0])
+    def __call__(self, frames: np.ndarray) -> list[float]:
+        """`frames`: (N, WINDOW) float32 samples, the stream's next -> the probability that each is speech."""
+        probs: list[float] = []
+        for first in range(0, len(frames), MAX_FRAMES):
+            block = frames[first : first + MAX_FRAMES].astype(np.float32, copy=False)
+            contexts = np.empty((len(block), CONTEXT), dtype=np.float32)
+            contexts[0] = self._context
+            contexts[1:] = block[:-1, -CONTEXT:]
+            self._context = block[-1, -CONTEXT:].copy()
+            x = np.concatenate([contexts, block], axis=1)
+            out, self._h, self._c = self._session.run(None, {"input": x, "h": self._h, "c": self._c})
+            probs += out.reshape(-1).tolist()
+        return probs
 
 
 @dataclass(frozen=True)

@@ -163,7 +163,7 @@ class FrameProbabilities:
         return self._run(np.pad(rest, (0, WINDOW - rest.size)).reshape(1, WINDOW))
 
     def _run(self, frames: np.ndarray) -> list[float]:
-        return [self._model(frame) for frame in frames.astype(np.float32, copy=False)]
+        return self._model(frames)
 
 
 class RegionFinder:
@@ -274,9 +274,9 @@ class SpeechStream:
         self._rest = data[n * WINDOW :]
         events: list[VadEvent] = []
         min_speech = self.params.min_speech_duration_ms * SAMPLE_RATE // 1000
-        for frame in data[: n * WINDOW].reshape(n, WINDOW):
+        for prob in self._model(data[: n * WINDOW].reshape(n, WINDOW)):
             self._position += WINDOW
-            change = self._turns.step(self._model(frame))
+            change = self._turns.step(prob)
             if change is not None and change[0] == "start":
                 self._pending = change[1]
             elif change is not None:
