@@ -238,3 +238,33 @@ def test_a_long_clip_decoded_a_window_per_turn_with_others_joining_is_the_same(
     assert turn >= 3
     assert cut.tokens == alone.tokens
     assert [(s.start, s.end, s.text) for s in cut.segments] == [(s.start, s.end, s.text) for s in alone.segments]
+
+
+def test_a_suspended_job_a_new_worker_does_not_hold_starts_again(
+    base: WhisperModel, clip: Callable, drafters: dict
+) -> None:
+    """A single-block upload decoded a window per batch, its state kept in the worker between batches: if the worker
+    restarts meanwhile, the new one starts the job again from its audio, to the answer it gets in one go; a
+    streamed one, whose first segments were sent, fails instead (from the start they would be sent twice)."""
+    import dataclasses
+
+    from app.server.worker.policy import ModePolicy
+    from app.server.worker.process import BatchRunner
+    from app.server.worker.protocol import BatchRequest, Job
+
+    gap = np.zeros(8000, np.float32)
+    long = np.concatenate([clip("fleurs/fleurs-de-009"), gap, clip("whisper/jfk"), gap, clip("whisper/jfk")])
+    options = DecodingOptions(language="en", timestamps="segment")
+    engine = Engine(base, drafters["self-draft"])
+    alone = engine.transcribe([long], [options])[0]
+    for stream in (False, True):
+        job = Job("long", long, options, stream=stream)
+        first = BatchRunner(engine, ModePolicy(), send=lambda message: None, windows=1)
+        assert first.run(BatchRequest(0, [job])).results[0].suspended
+        restarted = BatchRunner(engine, ModePolicy(), send=lambda message: None, windows=0)
+        (result,) = restarted.run(BatchRequest(1, [dataclasses.replace(job, resume=True)])).results
+        if stream:
+            assert result.internal and result.error is not None and "lost" in result.error
+        else:
+            assert result.error is None and result.transcription is not None
+            assert result.transcription.tokens == alone.tokens

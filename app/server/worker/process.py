@@ -111,10 +111,14 @@ class BatchRunner:
         return BatchResult(batch.batch_id, [results[j.request_id] for j in batch.jobs], mode, self.policy.estimates())
 
     def _start(self, job: Job) -> _Transcription:
-        if job.resume:
-            if job.request_id not in self.suspended:
-                raise RuntimeError("its transcription so far was lost (the worker restarted)")
+        if job.resume and job.request_id in self.suspended:
             return self.suspended.pop(job.request_id)
+        if job.resume and job.stream:  # its segments so far were sent: from the start they would be sent twice
+            raise RuntimeError("its transcription so far was lost (the worker restarted)")
+        if job.resume:  # a new worker: the job starts again from its audio, to the same answer
+            log.warning(
+                "job %s: its transcription so far was lost (the worker restarted); starting again", job.request_id
+            )
         samples = job.decoded()
         self.engine.check(job.options, samples)
         return _Transcription(self.engine.start(samples, job.options))
