@@ -66,6 +66,19 @@ def test_defaults_are_transformers_defaults() -> None:
         WhisperDims.from_config({"model_type": "llama"})
 
 
+def test_the_tables_held_here_are_transformers_tables() -> None:
+    """The language names and the byte-level alphabet, held here so that no process imports transformers for
+    them, are transformers' own."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES as THEIR_LANGUAGES
+
+    from app.api.languages import LANGUAGES
+    from app.model.tokenizer import byte_alphabet
+
+    assert list(LANGUAGES.items()) == list(THEIR_LANGUAGES.items())
+    assert byte_alphabet() == [bytes_to_unicode()[byte] for byte in range(256)]
+
+
 def test_sharded_and_legacy_files_load_the_same(
     reference: Path, expected: dict[str, Tensor], store: ModelStore, tmp_path: Path
 ) -> None:
