@@ -32,9 +32,9 @@ def test_32_clients_get_correct_answers_or_429_with_retry_after(
 
 @pytest.mark.slow
 @pytest.mark.server  # the soak command starts its own
-def test_soak_command_runs_and_passes_for_a_minute(tmp_path: Path) -> None:
+def test_soak_command_runs_and_passes_for_half_a_minute(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
-    cmd = [sys.executable, "-m", "app", "soak", "--minutes", "1", "--warmup-minutes", "0.3", "--interval", "20"]
+    cmd = [sys.executable, "-m", "app", "soak", "--minutes", "0.5", "--warmup-minutes", "0.2", "--interval", "10"]
     run = subprocess.run([*cmd, "--json", str(out), "--log", str(tmp_path / "server.log")], timeout=600)
     report = json.loads(out.read_text())
     print(json.dumps({k: v for k, v in report.items() if k != "baseline"}, indent=2))
