@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-SAMPLE_RATE = 16000
+from app.api.audio import SAMPLE_RATE
+
 WINDOW = 512  # samples per frame at 16 kHz (32 ms)
 CONTEXT = 64  # samples of the previous frame the model hears before each frame
 MODEL_FILE = "silero_vad_16k_sequence.onnx"  # frames (N x (CONTEXT + WINDOW)) and the LSTM's state -> N probabilities
