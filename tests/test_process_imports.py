@@ -10,9 +10,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-import soundfile as sf
 
-from tests.clients import realtime_text
+from tests.clients import encode, realtime_text
 from tests.server import ServerProcess, running_server, starts_server
 
 WATCHED = ("torch", "transformers", "silero_vad")
@@ -59,7 +58,7 @@ def test_the_web_process_serves_without_torch_and_the_worker_without_transformer
 ) -> None:
     srv, log = watched
     speech = np.concatenate([clip("ljspeech/LJ001-0001"), np.zeros(16000, np.float32)])
-    wav = "a.wav", _wav(np.concatenate([speech, speech]))
+    wav = encode(np.concatenate([speech, speech]), "wav")
     form = {"model": "whisper-1", "response_format": "verbose_json", "chunking_strategy": "auto"}
     r = httpx.post(f"{srv.url}/v1/audio/transcriptions", data=form, files={"file": wav}, timeout=300)
     assert r.status_code == 200 and r.json()["language"] == "english" and len(r.json()["segments"]) >= 2, r.text
@@ -72,11 +71,3 @@ def test_the_web_process_serves_without_torch_and_the_worker_without_transformer
     assert srv.proc is not None
     assert _imports(log, srv.proc.pid) == set()
     assert _imports(log, worker) == {"torch"}  # the hook sees the worker's imports: it runs the models with torch
-
-
-def _wav(audio: np.ndarray) -> bytes:
-    import io
-
-    out = io.BytesIO()
-    sf.write(out, audio, 16000, format="WAV", subtype="PCM_16")
-    return out.getvalue()
