@@ -48,12 +48,15 @@ def test_peerbench_drives_every_server_with_the_same_load(benchdata: Path, tmp_p
 
     # Live audio through each server's own protocol: every utterance gets a final after it ended.
     assert servers["faster-whisper-server"]["live"] == {}  # it has no live protocol
-    for name in ("specwhisper", "whisperlive"):
+    # Ours must hear the clip as well live as uploaded; WhisperLive's own live accuracy on two busy cores
+    # varies (it drops segments it judges silent: 44% seen at two sessions), so its bound only says that
+    # its words came back through our reading of its protocol.
+    for name, wer_bound in (("specwhisper", 0.3), ("whisperlive", 0.6)):
         assert set(servers[name]["live"]) == {"1", "2"}, name
         for level in servers[name]["live"].values():
             assert level["missing_finals"] == 0 and level["errors"] == 0, (name, level)
             assert level["utterances"] == level["sessions"], (name, level)
-            assert 0 < level["p50_ms"] <= level["p95_ms"] and level["wer"] < 0.3, (name, level)
+            assert 0 < level["p50_ms"] <= level["p95_ms"] and level["wer"] < wer_bound, (name, level)
             assert level["first_partial_p50_ms"] is not None, (name, level)
             assert all(level[field] is not None for field in FIELDS), (name, level)
 
