@@ -91,7 +91,12 @@ def url(cluster: RayCluster) -> str:
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     serve.run(build(ARGS), name=APP_NAME, route_prefix="/")
     address = f"http://127.0.0.1:{port}"
-    assert httpx.get(f"{address}/health/ready", timeout=30).status_code == 200
+    # Serve calls the application ready once its replicas are constructed; an ingress is ready once it has heard
+    # from an engine replica (its state is polled every second), as a load balancer's probe would wait for.
+    deadline = time.monotonic() + 60
+    while (status := httpx.get(f"{address}/health/ready", timeout=30).status_code) != 200:
+        assert time.monotonic() < deadline, f"not ready a minute after Serve's start: {status}"
+        time.sleep(0.5)
     return address
 
 
