@@ -42,10 +42,11 @@ RUN --mount=type=bind,source=docker/wheels,target=/wheels \
         with-pip-secrets pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"; \
     fi
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md requirements-nodeps.txt ./
 COPY app ./app
 RUN --mount=type=secret,id=pip_conf --mount=type=secret,id=pip_ca \
     with-pip-secrets pip install . \
+    && with-pip-secrets pip install --no-deps -r requirements-nodeps.txt \
     && if [ "$(uname -m)" = x86_64 ]; then cd / && python -m app kernels --install; fi \
     && rm -rf /opt/venv/lib/python3.11/site-packages/torch/include /opt/venv/lib/python3.11/site-packages/torch/test
 

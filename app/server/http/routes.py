@@ -26,8 +26,10 @@ CREATED = int(time.time())
 TRANSLATION_FIELDS = frozenset(
     {"file", "model", "prompt", "response_format", "temperature", "speculative", "chunking_strategy", *LONG_FORM_FIELDS}
 )
+SPEAKER_FIELDS = ("min_speakers", "max_speakers")  # WhisperX's names, as extra fields of a diarized request
 TRANSCRIPTION_FIELDS = TRANSLATION_FIELDS | {
-    "language", "timestamp_granularities[]", "stream", "include[]", "languages[]", "keywords[]"
+    "language", "timestamp_granularities[]", "stream", "include[]", "languages[]", "keywords[]",
+    "known_speaker_names[]", "known_speaker_references[]", "diarize", *SPEAKER_FIELDS,
 }  # fmt: skip
 OBJECT_FIELDS = frozenset({"chunking_strategy"})
 
@@ -59,6 +61,7 @@ async def _transcription(
     speculative: bool,
     stream: bool = False,
     include: list[str] | None = None,
+    speakers: tuple[list[str] | None, list[str] | None, bool] = (None, None, False),
 ) -> Response:
     await refuse_unknown(request, TRANSCRIPTION_FIELDS if task == "transcribe" else TRANSLATION_FIELDS, OBJECT_FIELDS)
     if file is None:
@@ -82,6 +85,10 @@ async def _transcription(
         chunking_strategy=await object_field(request, "chunking_strategy"),
         long_form=await text_fields(request, LONG_FORM_FIELDS),
         include=tuple(include or ()),
+        known_speaker_names=tuple(speakers[0] or ()),
+        known_speaker_references=tuple(speakers[1] or ()),
+        speaker_bounds=await text_fields(request, SPEAKER_FIELDS),
+        diarize=speakers[2],
     )
     if stream:
         events = await _service(request).transcribe_stream(req, request.state.request_id)
@@ -101,7 +108,11 @@ FileField = Annotated[UploadFile | None, File()]
 Text = Annotated[str | None, Form()]
 
 
-@router.post("/v1/audio/transcriptions")
+# A known speaker's reference is a form field (a data URL): up to 10 s of audio in any format, 4 of them.
+REFERENCE_FIELD_BYTES = 8 << 20
+
+
+@router.post("/v1/audio/transcriptions", form_limits={"max_part_size": REFERENCE_FIELD_BYTES})
 async def transcriptions(
     request: Request,
     file: FileField = None,
@@ -116,6 +127,9 @@ async def transcriptions(
     include: Annotated[list[str] | None, Form(alias="include[]")] = None,
     languages: Annotated[list[str] | None, Form(alias="languages[]")] = None,  # gpt-transcribe's
     keywords: Annotated[list[str] | None, Form(alias="keywords[]")] = None,
+    known_speaker_names: Annotated[list[str] | None, Form(alias="known_speaker_names[]")] = None,
+    known_speaker_references: Annotated[list[str] | None, Form(alias="known_speaker_references[]")] = None,
+    diarize: Annotated[bool, Form()] = False,
 ) -> Response:
     return await _transcription(
         request,
@@ -130,6 +144,7 @@ async def transcriptions(
         speculative,
         stream,
         include,
+        (known_speaker_names, known_speaker_references, diarize),
     )
 
 

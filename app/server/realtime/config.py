@@ -2,7 +2,7 @@
 
 Beta (`transcription_session.update`):
     {"input_audio_format": "pcm16" | "g711_ulaw" | "g711_alaw",
-     "input_audio_transcription": {"model", "language", "prompt", "languages", "keywords", "delay"},
+     "input_audio_transcription": {"model", "language", "prompt", "languages", "keywords", "delay", "diarize"},
      "turn_detection": {"type": "server_vad", "threshold", "prefix_padding_ms", "silence_duration_ms"}
                      | {"type": "semantic_vad", "eagerness": "low" | "medium" | "high" | "auto"} | null,
      "input_audio_noise_reduction": {"type": "near_field" | "far_field"} | null}
@@ -53,6 +53,7 @@ class SessionConfig:
     turn_detection: TurnDetection | None = field(default_factory=VadParams)  # None: the client commits turns
     noise_reduction: str | None = None  # accepted and echoed; no suppressor runs (measured: docs/performance.md)
     logprobs: bool = False  # `include`s LOGPROBS
+    diarize: bool = False  # ours: each completed turn says which of the session's voices spoke it (`speaker`)
     partials: bool = False  # `include`s PARTIALS
 
     @property
@@ -72,7 +73,8 @@ class SessionConfig:
 
     def _transcription(self) -> dict[str, Any]:
         out: dict[str, Any] = {"model": self.model, "language": self.language, "prompt": self.prompt}
-        optional = {"languages": list(self.languages), "keywords": list(self.keywords), "delay": self.delay}
+        optional: dict[str, Any] = {"languages": list(self.languages), "keywords": list(self.keywords)}
+        optional |= {"delay": self.delay, "diarize": self.diarize}
         return out | {k: v for k, v in optional.items() if v}
 
     def _noise(self) -> dict[str, Any] | None:
@@ -125,7 +127,7 @@ def _obj(value: Any, param: str, known: frozenset[str] | None = None) -> dict[st
 def _transcription(config: SessionConfig, raw: Any, param: str) -> SessionConfig:
     if raw is None:
         return config
-    raw = _obj(raw, param, frozenset({"model", "language", "prompt", "languages", "keywords", "delay"}))
+    raw = _obj(raw, param, frozenset({"model", "language", "prompt", "languages", "keywords", "delay", "diarize"}))
     for key in ("model", "language", "prompt", "delay"):
         if key in raw and raw[key] is not None and not isinstance(raw[key], str):
             raise InvalidRequestError(f"{param}.{key} must be a string", f"{param}.{key}")
@@ -133,6 +135,8 @@ def _transcription(config: SessionConfig, raw: Any, param: str) -> SessionConfig
         value = raw.get(key)
         if value is not None and (not isinstance(value, list) or not all(isinstance(x, str) for x in value)):
             raise InvalidRequestError(f"{param}.{key} must be a list of strings", f"{param}.{key}")
+    if raw.get("diarize") is not None and not isinstance(raw["diarize"], bool):
+        raise InvalidRequestError(f"{param}.diarize must be true or false", f"{param}.diarize")
     if raw.get("delay") is not None and raw["delay"] not in DELAYS:
         raise InvalidRequestError(f"{param}.delay must be one of {', '.join(DELAYS)}", f"{param}.delay")
     return replace(
@@ -143,6 +147,7 @@ def _transcription(config: SessionConfig, raw: Any, param: str) -> SessionConfig
         languages=tuple(raw.get("languages", config.languages) or ()),
         keywords=tuple(raw.get("keywords", config.keywords) or ()),
         delay=raw.get("delay", config.delay) or None,
+        diarize=bool(raw.get("diarize", config.diarize)),
     )
 
 

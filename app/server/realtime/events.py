@@ -51,7 +51,12 @@ def delta(item_id: str, text: str, logprobs: list[dict[str, Any]] | None) -> dic
 
 
 def completed(
-    item_id: str, t: Transcription, seconds: float, metrics: dict[str, Any], logprobs: bool
+    item_id: str,
+    t: Transcription,
+    seconds: float,
+    metrics: dict[str, Any],
+    logprobs: bool,
+    speaker: str | None = None,
 ) -> dict[str, Any]:
     event: dict[str, Any] = {
         "type": "conversation.item.input_audio_transcription.completed",
@@ -62,6 +67,8 @@ def completed(
     }
     if logprobs:
         event["logprobs"] = [p.to_dict() for p in t.logprobs]
+    if speaker is not None:  # the session asked who spoke (`input_audio_transcription.diarize`)
+        event["speaker"] = speaker
     return {**event, "metrics": metrics}
 
 

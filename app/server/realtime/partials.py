@@ -19,7 +19,7 @@ from app.api import errors
 from app.api.audio import SAMPLE_RATE
 from app.api.types import DecodingOptions
 from app.server.realtime.utterances import AudioBuffer
-from app.server.serving.service import TranscriptionService
+from app.server.serving.live import LiveService
 
 log = logging.getLogger("specwhisper.realtime")
 MIN_PARTIAL_S = 0.5
@@ -28,7 +28,7 @@ MIN_PARTIAL_S = 0.5
 class Partials:
     def __init__(
         self,
-        service: TranscriptionService,
+        service: LiveService,
         emit: Callable[[dict[str, Any]], None],
         options: Callable[[], DecodingOptions],
         current_item: Callable[[], str | None],

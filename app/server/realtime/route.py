@@ -12,7 +12,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from app.server.http.auth import KEY_SUBPROTOCOL, authorized, websocket_token
 from app.server.realtime.session import Closing, RealtimeSession
-from app.server.serving.service import TooManySessions, TranscriptionService
+from app.server.serving.live import LiveService, TooManySessions
 
 router = APIRouter()
 log = logging.getLogger("specwhisper.realtime")
@@ -71,7 +71,7 @@ async def _flush_and_close(ws: WebSocket, session: RealtimeSession, why: Closing
 
 @router.websocket("/v1/realtime")
 async def realtime(ws: WebSocket) -> None:
-    service: TranscriptionService = ws.app.state.service
+    service: LiveService = ws.app.state.service.live
     settings = service.settings
     offered = list(ws.scope.get("subprotocols") or [])
     subprotocol = _subprotocol(offered)

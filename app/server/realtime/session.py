@@ -33,7 +33,7 @@ from app.server.realtime.config import SessionConfig, apply_update
 from app.server.realtime.partials import Partials
 from app.server.realtime.turns import Turn, TurnFollower
 from app.server.realtime.utterances import AudioBuffer, EarlyFinal, Finals, Utterance, retrieve
-from app.server.serving.service import TranscriptionService
+from app.server.serving.live import LiveService
 from app.settings import Settings
 
 OUTBOUND_LIMIT = 512  # queued server events; a client that stops reading is disconnected
@@ -49,7 +49,7 @@ class Closing(Exception):
 
 
 class RealtimeSession:
-    def __init__(self, service: TranscriptionService, settings: Settings, *, beta: bool = False) -> None:
+    def __init__(self, service: LiveService, settings: Settings, *, beta: bool = False) -> None:
         self.service = service
         self.settings = settings
         self.id = events.new_id("sess")
@@ -67,7 +67,12 @@ class RealtimeSession:
         self._early: EarlyFinal | None = None  # begun at the open pause
         self._unread: list[EarlyFinal] = []  # semantic VAD: begun at pauses the speech went on from, not read yet
         self.finals = Finals(
-            service, self.emit, self._options, lambda: self.config.logprobs, settings.request_timeout_s
+            service,
+            self.emit,
+            self._options,
+            lambda: self.config.logprobs,
+            settings.request_timeout_s,
+            diarize=lambda: self.config.diarize,
         )
         interval = settings.realtime_partial_interval_s
         self.partials = Partials(service, self.emit, self._options, lambda: self.item_id, interval)

@@ -21,7 +21,8 @@ from app.api import errors
 from app.api.audio import SAMPLE_RATE
 from app.api.types import DecodingOptions, Transcription
 from app.server.realtime import events
-from app.server.serving.service import TranscriptionService
+from app.server.serving.live import LiveService
+from app.speakers.live import LiveSpeakers
 
 FINAL_RETRY_S = 0.2
 
@@ -92,22 +93,26 @@ class Finals:
 
     def __init__(
         self,
-        service: TranscriptionService,
+        service: LiveService,
         emit: Callable[[dict[str, Any]], None],
         options: Callable[[], DecodingOptions],
         logprobs: Callable[[], bool],
         timeout_s: float,
+        diarize: Callable[[], bool] = lambda: False,
     ) -> None:
         self.service = service
-        self._emit, self._options, self._logprobs = emit, options, logprobs
+        self._emit, self._options, self._logprobs, self._diarize = emit, options, logprobs, diarize
         self._timeout_s = timeout_s
+        self.speakers = LiveSpeakers()  # the session's voices, when it asks who spoke
         self._queue: asyncio.Queue[Utterance] = asyncio.Queue()
         self.backlog_samples = 0  # committed audio not yet completed
         self._task = asyncio.create_task(self._run())
 
     def begin(self, audio: np.ndarray) -> TranscriptionTask:
         """Start a final transcription of `audio` now (an early final)."""
-        return asyncio.create_task(self.service.transcribe_live(audio, self._options(), final=True))
+        return asyncio.create_task(
+            self.service.transcribe_live(audio, self._options(), final=True, prints=self._diarize())
+        )
 
     def put(self, utterance: Utterance) -> None:
         self.backlog_samples += utterance.audio.size
@@ -140,7 +145,7 @@ class Finals:
                 if u.early is not None:
                     early, u.early = u.early, None
                     return await early  # begun at the pause, on the same audio
-                return await self.service.transcribe_live(u.audio, self._options(), final=True)
+                return await self.service.transcribe_live(u.audio, self._options(), final=True, prints=self._diarize())
             except errors.ApiError as exc:
                 if exc.status in (429, 503) and time.perf_counter() < deadline:
                     await asyncio.sleep(FINAL_RETRY_S)
@@ -158,4 +163,5 @@ class Finals:
             entries = [p.to_dict() for p in transcription.logprobs] if logprobs else None
             self._emit(events.delta(u.item_id, transcription.text, entries))
         metrics = self.service.utterance_metrics(transcription, queue_ms, time.perf_counter() - u.closed_at)
-        self._emit(events.completed(u.item_id, transcription, u.seconds, metrics, logprobs))
+        speaker = self.speakers.label(transcription.voices) if self._diarize() else None
+        self._emit(events.completed(u.item_id, transcription, u.seconds, metrics, logprobs, speaker))

@@ -4,6 +4,7 @@ carries (also recorded in Prometheus)."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +13,7 @@ from app.api.formats import to_srt, to_verbose_json, to_vtt
 from app.api.types import Segment, Transcription
 from app.server.metrics import ServerMetrics
 from app.server.serving.requests import TranscriptionRequest
+from app.speakers.diarization import Diarization
 
 
 @dataclass(frozen=True)
@@ -29,11 +31,40 @@ def delta_event(req: TranscriptionRequest, delta: str, segments: Sequence[Segmen
     return event
 
 
+def segment_events(diarization: Diarization) -> list[dict[str, Any]]:
+    """OpenAI's `transcript.text.segment` objects: each piece of the transcript with its speaker."""
+    return [
+        {
+            "type": "transcript.text.segment",
+            "id": f"seg_{i}",
+            "start": round(p.start, 3),
+            "end": round(p.end, 3),
+            "text": p.text,
+            "speaker": p.speaker,
+        }
+        for i, p in enumerate(diarization.segments)
+    ]
+
+
+def _with_speakers(body: dict[str, Any], t: Transcription, diarization: Diarization) -> dict[str, Any]:
+    """verbose_json with `diarize=true`: each segment and word with the speaker heard most over it."""
+    for segment, out in zip(t.segments, body["segments"], strict=True):
+        out["speaker"] = diarization.speaker_at(segment.start, segment.end)
+    for word in body.get("words", []):
+        word["speaker"] = diarization.speaker_at(word["start"], word["end"])
+    return body
+
+
 def done_event(req: TranscriptionRequest, t: Transcription, metrics: dict[str, Any]) -> dict[str, Any]:
     event: dict[str, Any] = {"type": "transcript.text.done", "text": t.text}
     if req.logprobs:
         event["logprobs"] = [p.to_dict() for p in t.logprobs]
     return {**event, "metrics": metrics}
+
+
+def usage(t: Transcription) -> dict[str, Any]:
+    """OpenAI's `usage` of an answer billed by audio length."""
+    return {"type": "duration", "seconds": math.ceil(t.duration)}
 
 
 class Replies:
@@ -67,7 +98,14 @@ class Replies:
         self.metrics.main_passes.labels(m.decoding).inc(m.main_passes)
         return metrics
 
-    def reply(self, req: TranscriptionRequest, t: Transcription, queue_ms: float, total_ms: float) -> Reply:
+    def reply(
+        self,
+        req: TranscriptionRequest,
+        t: Transcription,
+        queue_ms: float,
+        total_ms: float,
+        diarization: Diarization | None = None,
+    ) -> Reply:
         metrics = self.request_metrics(t, queue_ms, total_ms)
         fmt = req.response_format
         if fmt == "text":
@@ -76,8 +114,14 @@ class Replies:
             return Reply(to_srt(t), "text/plain; charset=utf-8", metrics)
         if fmt == "vtt":
             return Reply(to_vtt(t), "text/vtt; charset=utf-8", metrics)
-        if fmt == "verbose_json":
+        if fmt == "diarized_json":
+            assert diarization is not None
+            body = {"task": "transcribe", "duration": t.duration, "text": t.text}
+            body |= {"segments": segment_events(diarization), "usage": usage(t)}
+        elif fmt == "verbose_json":
             body = to_verbose_json(t, req.task, words="word" in req.timestamp_granularities)
+            if diarization is not None:
+                body = _with_speakers(body, t, diarization)
         else:
             body = {"text": t.text}
         if req.logprobs:

@@ -13,6 +13,7 @@ from app.api import errors
 from app.api.formats import FORMATS
 from app.api.types import FALLBACK_TEMPERATURES, DecodingOptions, InvalidRequestError
 from app.server.serving.models import ModelNames
+from app.server.serving.speakers import SpeakerAsk
 from app.server.serving.uploads import AUTO_VAD, UPLOAD_VAD, Chunking
 from app.server.vad import server_vad
 from app.settings import Settings
@@ -39,10 +40,21 @@ class TranscriptionRequest:
     # openai-whisper's transcribe() options, beam search's included (OpenAI's API has none of them), as sent
     long_form: dict[str, str] = field(default_factory=dict)
     include: tuple[str, ...] = ()  # "logprobs": each text token's log-probability in the answer
+    # who spoke: known speakers (names, and reference audio as data URLs), bounds on their number (form fields
+    # `min_speakers`/`max_speakers`, as sent), and verbose_json's `diarize`
+    known_speaker_names: tuple[str, ...] = ()
+    known_speaker_references: tuple[str, ...] = ()
+    speaker_bounds: dict[str, str] = field(default_factory=dict)
+    diarize: bool = False
 
     @property
     def logprobs(self) -> bool:
         return "logprobs" in self.include
+
+    @property
+    def diarized(self) -> bool:
+        """Whether the answer says who spoke: diarized_json, or verbose_json with `diarize=true`."""
+        return self.response_format == "diarized_json" or self.diarize
 
 
 # openai-whisper's `transcribe()` options an upload may set (form fields of the same names).
@@ -100,16 +112,19 @@ class RequestRules:
 
     def options(self, req: TranscriptionRequest) -> DecodingOptions:
         self.models.check(req.model)
-        if req.response_format not in FORMATS:
-            raise errors.bad_request(f"response_format must be one of {', '.join(FORMATS)}", param="response_format")
+        formats = (*FORMATS, "diarized_json") if req.task == "transcribe" else FORMATS
+        if req.response_format not in formats:
+            raise errors.bad_request(f"response_format must be one of {', '.join(formats)}", param="response_format")
         granularities = set(req.timestamp_granularities)
+        self._check_diarized(req)
         if not granularities <= {"segment", "word"}:
             raise errors.bad_request(
                 "timestamp_granularities must be 'segment' and/or 'word'", param="timestamp_granularities[]"
             )
-        if req.stream and (granularities or req.response_format not in ("json", "text")):
+        if req.stream and (granularities or req.response_format not in ("json", "text", "diarized_json")):
             raise errors.bad_request(
-                "stream=true streams text: use response_format json or text, without timestamps", param="stream"
+                "stream=true streams text: use response_format json, text or diarized_json, without timestamps",
+                param="stream",
             )
         if not set(req.include) <= {"logprobs"}:
             raise errors.bad_request("include[] may only be 'logprobs'", param="include[]")
@@ -130,14 +145,55 @@ class RequestRules:
         # temperature 0 means OpenAI's fallback: greedy first, then hotter while a window fails the thresholds
         ladder = FALLBACK_TEMPERATURES if req.temperature == 0 else (req.temperature,)
         decoding = {"beam_size": self.settings.default_beam_size} | _long_form(req.long_form)
+        if req.diarized:  # its words get speakers: aligned after decoding, so the text is the json answer's
+            decoding["word_times"] = True
         try:
             return replace(options, temperature=ladder, **decoding)
         except InvalidRequestError as exc:
             raise errors.bad_request(str(exc), param=exc.param) from exc
 
+    def _check_diarized(self, req: TranscriptionRequest) -> None:
+        """The fields a diarized answer refuses, or that only it takes."""
+        if req.diarize and req.response_format not in ("verbose_json", "diarized_json"):
+            raise errors.bad_request("diarize=true needs response_format verbose_json", param="diarize")
+        if req.response_format == "diarized_json" and req.timestamp_granularities:
+            raise errors.bad_request(
+                "timestamp_granularities is not supported with response_format diarized_json",
+                param="timestamp_granularities[]",
+            )
+        if req.response_format == "diarized_json" and req.logprobs:
+            raise errors.bad_request("include[]=logprobs is not supported with diarized_json", param="include[]")
+        sent = [
+            name
+            for name, value in (
+                ("known_speaker_names[]", req.known_speaker_names),
+                ("known_speaker_references[]", req.known_speaker_references),
+            )
+            if value
+        ]
+        sent += list(req.speaker_bounds)  # fmt: skip
+        if sent and not req.diarized:
+            raise errors.bad_request(
+                f"{sent[0]} needs response_format diarized_json (or verbose_json with diarize=true)", param=sent[0]
+            )
+
+    def speakers(self, req: TranscriptionRequest) -> SpeakerAsk | None:
+        """A diarized request's speaker fields, checked (ApiError naming the field); None for any other request."""
+        if not req.diarized:
+            return None
+        return SpeakerAsk.parse(req.known_speaker_names, req.known_speaker_references, req.speaker_bounds)
+
     def chunking(self, req: TranscriptionRequest) -> Chunking | None:
         """The request's `chunking_strategy` (else the operator's default); ApiError if it is invalid."""
         raw = req.chunking_strategy if req.chunking_strategy is not None else self.settings.default_chunking_strategy
+        if req.diarized and raw == "none":
+            if req.chunking_strategy is not None:
+                raise errors.bad_request(
+                    "a diarized answer needs chunking_strategy 'auto' or a server_vad object: its speakers are told"
+                    " apart over the speech the VAD finds",
+                    param="chunking_strategy",
+                )
+            raw = "auto"  # what a diarized request gets when it sends none (OpenAI asks for one over 30 s)
         if isinstance(raw, str) and raw.strip().startswith("{"):
             try:
                 raw = json.loads(raw)

@@ -72,7 +72,7 @@ class ServerStatus:
             "tokens": _total(s, "specwhisper_tokens_total"),
             "drafted": _total(s, "specwhisper_draft_proposed_total"),
             "accepted": _total(s, "specwhisper_draft_accepted_total"),
-            "realtime_sessions": self.service.live_sessions,
+            "realtime_sessions": self.service.live.sessions,
             "audio_in_flight_s": round(self.service.budget.held, 1),
             "worker_restarts": health.restarts,
         }

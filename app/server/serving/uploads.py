@@ -125,12 +125,12 @@ class ChunkScan:
 async def chunk_results(
     scan: ChunkScan,
     run: Callable[[Callable[[], list[tuple[Chunk, np.ndarray]]]], Awaitable[list[tuple[Chunk, np.ndarray]]]],
-    transcribe: Callable[[int, np.ndarray], Awaitable[tuple[Transcription, float]]],
+    transcribe: Callable[[int, Chunk, np.ndarray], Awaitable[tuple[Transcription, float]]],
     ahead: int,
     idle: Callable[[], None] = lambda: None,
 ) -> AsyncGenerator[tuple[Chunk, Transcription, float], None]:
     """Each chunk of `scan` with its transcription and queue time, in order. `run` runs a step of the scan (on an
-    upload thread), `transcribe(k, samples)` transcribes the k-th chunk. The scan goes on while at most `ahead`
+    upload thread), `transcribe(k, chunk, samples)` transcribes the k-th chunk. The scan goes on while at most `ahead`
     chunks are being transcribed: they fill a batch together, other requests' jobs take turns with them, and the
     VAD listens on while they are decoded. `idle()` is called when it waits for transcriptions only."""
     found: deque[tuple[Chunk, np.ndarray]] = deque()
@@ -141,7 +141,7 @@ async def chunk_results(
         while True:
             while found and len(queued) < ahead:
                 chunk, samples = found.popleft()
-                queued.append((chunk, asyncio.ensure_future(transcribe(dispatched, samples))))
+                queued.append((chunk, asyncio.ensure_future(transcribe(dispatched, chunk, samples))))
                 dispatched += 1
             if step is None and not scan.done and not found and len(queued) < ahead:
                 step = asyncio.ensure_future(run(scan.step))

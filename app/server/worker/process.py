@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
-from app.api.audio import AudioError
-from app.api.types import InvalidRequestError, Segment
+from app.api.audio import SAMPLE_RATE, AudioError
+from app.api.types import InvalidRequestError, Metrics, Segment, Transcription, Voice
 from app.engine.heap import heap_trimmer
 from app.server.worker.policy import BatchCost, Mode, ModePolicy
 from app.server.worker.protocol import (
@@ -33,6 +33,7 @@ from app.server.worker.protocol import (
     Ready,
 )
 from app.settings import Settings
+from app.speakers.embedders import SpeakerEmbedder, load_embedder, prints
 
 if TYPE_CHECKING:  # the web process imports this module for `worker_main`, and must not load torch
     from app.engine.engine import Engine
@@ -50,6 +51,7 @@ class _Transcription:
 
     job: LongFormJob
     engine_s: float = 0.0
+    voices: list[Voice] = dataclasses.field(default_factory=list)  # its voice prints, when it asked for them
 
 
 class BatchRunner:
@@ -58,7 +60,11 @@ class BatchRunner:
     A job decodes at most `windows` 30-s windows per batch (0: all of them): one still going is kept here and
     answered `suspended`; the web process queues it again (`resume`), so that other requests join the batches
     of an hour-long upload instead of waiting for all of it. `forgotten()` names suspended jobs whose clients
-    left."""
+    left.
+
+    A job may ask for voice prints of its speech (`Job.prints`, for diarization): they are taken when it starts,
+    by the speaker embedder (`make_embedder`, loaded on the first such job), and answered with its transcription.
+    """
 
     def __init__(
         self,
@@ -69,6 +75,7 @@ class BatchRunner:
         *,
         windows: int = 0,
         forgotten: Callable[[], list[str]] = list,
+        make_embedder: Callable[[], SpeakerEmbedder] = load_embedder,
     ) -> None:
         self.engine = engine
         self.policy = policy
@@ -76,8 +83,16 @@ class BatchRunner:
         self.cancelled = cancelled
         self.windows = windows
         self.forgotten = forgotten
+        self.make_embedder = make_embedder
+        self._embedder: SpeakerEmbedder | None = None
         self.suspended: dict[str, _Transcription] = {}
         self._last_beat = 0.0
+
+    @property
+    def embedder(self) -> SpeakerEmbedder:
+        if self._embedder is None:
+            self._embedder = self.make_embedder()
+        return self._embedder
 
     def _heartbeat(self) -> None:
         """Called by the engine many times a window: tells the supervisor (at most once a second) that
@@ -99,6 +114,9 @@ class BatchRunner:
         mode: Mode | None = None
         for job in batch.jobs:
             try:
+                if job.prints is not None and job.prints.only:
+                    results[job.request_id] = self._prints_only(job)
+                    continue
                 valid.append((job, self._start(job)))
             except (InvalidRequestError, AudioError) as exc:  # a bad request fails alone, not its batch
                 results[job.request_id] = JobResult(job.request_id, error=str(exc))
@@ -121,7 +139,19 @@ class BatchRunner:
             )
         samples = job.decoded()
         self.engine.check(job.options, samples)
-        return _Transcription(self.engine.start(samples, job.options))
+        voices = prints(self.embedder, samples, job.prints.pieces) if job.prints is not None else []
+        return _Transcription(self.engine.start(samples, job.options), voices=voices)
+
+    def _prints_only(self, job: Job) -> JobResult:
+        """A job that asks for voice prints only: answered at once, with an empty transcription."""
+        assert job.prints is not None
+        started = time.perf_counter()
+        samples = job.decoded()
+        voices = prints(self.embedder, samples, job.prints.pieces)
+        seconds = samples.size / SAMPLE_RATE
+        metrics = Metrics.none(seconds, (time.perf_counter() - started) * 1000)
+        empty = Transcription("", [], None, None, seconds, [], "stop", metrics, voices=voices)
+        return JobResult(job.request_id, empty)
 
     def _transcribe(self, batch: list[tuple[Job, _Transcription]], batch_id: int) -> tuple[Mode, dict[str, JobResult]]:
         jobs = [j for j, _ in batch]
@@ -167,7 +197,10 @@ class BatchRunner:
         for job, t in batch:
             t.engine_s += elapsed
             if t.job.done:
-                results[job.request_id] = JobResult(job.request_id, self.engine.finish(t.job, t.engine_s, len(batch)))
+                transcription = self.engine.finish(t.job, t.engine_s, len(batch))
+                if t.voices:
+                    transcription = dataclasses.replace(transcription, voices=t.voices)
+                results[job.request_id] = JobResult(job.request_id, transcription)
             else:
                 self.suspended[job.request_id] = t
                 results[job.request_id] = JobResult(job.request_id, suspended=True)
@@ -279,7 +312,13 @@ def worker_main(settings: Settings, conn: Connection) -> None:
     inbox = Inbox(conn)
     policy = ModePolicy(settings.speculation, warmed=warmed)
     runner = BatchRunner(
-        engine, policy, conn.send, inbox.is_cancelled, windows=settings.windows_per_turn, forgotten=inbox.forgotten
+        engine,
+        policy,
+        conn.send,
+        inbox.is_cancelled,
+        windows=settings.windows_per_turn,
+        forgotten=inbox.forgotten,
+        make_embedder=lambda: load_embedder(settings.speaker_embedder),
     )
     conn.send(Ready(time.perf_counter() - started, described))
     while True:

@@ -12,6 +12,15 @@ from app.server.worker.policy import Estimate, Mode
 
 
 @dataclass(frozen=True)
+class PrintRequest:
+    """Voice prints a job asks for (`app.speakers`): over these pieces of its audio ([start, end) samples, the
+    speech the VAD found), with its transcription, or `only` them (a known speaker's reference)."""
+
+    pieces: tuple[tuple[int, int], ...]
+    only: bool = False
+
+
+@dataclass(frozen=True)
 class Job:
     """A clip to transcribe: its 16-kHz samples, or an upload still encoded (a few hundred kB where its samples
     would be hundreds of MB), which the worker decodes; then `samples` is its decoded length."""
@@ -26,6 +35,7 @@ class Job:
     resume: bool = False  # go on with the worker's suspended transcription of this request (`JobResult.suspended`)
     background: bool = False  # work of a long upload: it batches with its kind only, and a short upload or a live
     # final may stop it mid-window (once) to run first (`Batcher`)
+    prints: PrintRequest | None = None  # voice prints to take of it (`Transcription.voices`)
 
     @property
     def length(self) -> int:

@@ -1,0 +1,107 @@
+"""Speakers -> turns -> words: every word gets one speaker, and segments are cut where the speaker changes.
+
+`turns` merges the time each print speaks for into speaker turns (a lone print between two of another voice is
+taken for that voice: half a second is too short to be a turn). `speaker_of` gives a stretch of time (a word)
+the speaker whose turns overlap it most (WhisperX's rule), else the nearest turn's. `diarize` cuts each of
+Whisper's segments between words where the speaker changes (or after a pause of `PAUSE_S`): no segment splits a
+word, the segments' texts are the transcript's, and each spans its words, from the first's start to the last's
+end.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from app.api.types import Segment, Word
+
+PAUSE_S = 1.0  # a pause this long between two words of one speaker ends a segment too
+
+
+@dataclass(frozen=True)
+class Turn:
+    start: float
+    end: float
+    speaker: int
+
+
+@dataclass(frozen=True)
+class SpeakerSegment:
+    """A piece of a segment said by one speaker (OpenAI's `transcript.text.segment`)."""
+
+    start: float
+    end: float
+    text: str
+    speaker: str
+    words: tuple[Word, ...] = ()
+
+
+def turns(spans: Sequence[tuple[float, float]], labels: Sequence[int]) -> list[Turn]:
+    """The prints' spans (s, in time order) and speakers -> turns, each the longest run of one speaker's prints
+    with no gap between them."""
+    labels = list(labels)
+    for i in range(1, len(labels) - 1):  # a lone print inside another voice's turn
+        contiguous = spans[i - 1][1] >= spans[i][0] and spans[i][1] >= spans[i + 1][0]
+        if contiguous and labels[i - 1] == labels[i + 1] != labels[i]:
+            labels[i] = labels[i - 1]
+    out: list[Turn] = []
+    for (start, end), speaker in zip(spans, labels, strict=True):
+        if out and out[-1].speaker == speaker and start <= out[-1].end + 1e-6:
+            out[-1] = Turn(out[-1].start, max(end, out[-1].end), speaker)
+        else:
+            out.append(Turn(start, end, speaker))
+    return out
+
+
+class SpeakerTimeline:
+    """Turns in time order, asked who spoke over a stretch of time."""
+
+    def __init__(self, turns: Sequence[Turn]) -> None:
+        self.turns = sorted(turns, key=lambda t: t.start)
+        self._ends = [t.end for t in self.turns]
+
+    def speaker_of(self, start: float, end: float) -> int | None:
+        """The speaker whose turns overlap [start, end] most; else the nearest turn's; None without turns."""
+        if not self.turns:
+            return None
+        overlap: dict[int, float] = {}
+        k = bisect.bisect_left(self._ends, start)
+        while k < len(self.turns) and self.turns[k].start < end:
+            t = self.turns[k]
+            shared = min(end, t.end) - max(start, t.start)
+            if shared > 0:
+                overlap[t.speaker] = overlap.get(t.speaker, 0.0) + shared
+            k += 1
+        if overlap:
+            return max(overlap, key=lambda s: overlap[s])
+        middle = (start + end) / 2
+        return min(self.turns, key=lambda t: max(t.start - middle, middle - t.end)).speaker
+
+
+def diarize(segments: Sequence[Segment], timeline: SpeakerTimeline, names: Sequence[str]) -> list[SpeakerSegment]:
+    """Whisper's segments cut at speaker changes between words, each piece with its speaker's name."""
+    out: list[SpeakerSegment] = []
+    for segment in segments:
+        if not segment.text.strip():
+            continue
+        if not segment.words:
+            speaker = timeline.speaker_of(segment.start, segment.end)
+            out.append(SpeakerSegment(segment.start, segment.end, segment.text.strip(), _name(speaker, names)))
+            continue
+        runs: list[tuple[int | None, list[Word]]] = []
+        for word in segment.words:
+            speaker = timeline.speaker_of(word.start, word.end)
+            if runs and runs[-1][0] == speaker and word.start - runs[-1][1][-1].end < PAUSE_S:
+                runs[-1][1].append(word)
+            else:
+                runs.append((speaker, [word]))
+        for speaker, words in runs:
+            text = "".join(w.word for w in words).strip()
+            start, end = words[0].start, max(words[-1].end, words[0].start)
+            out.append(SpeakerSegment(start, end, text, _name(speaker, names), tuple(words)))
+    return out
+
+
+def _name(speaker: int | None, names: Sequence[str]) -> str:
+    return names[speaker] if speaker is not None and speaker < len(names) else (names[0] if names else "A")

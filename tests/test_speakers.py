@@ -1,0 +1,181 @@
+"""The speakers package on real speech: the GE2E encoder against the `resemblyzer` package it takes its weights
+from, windows over speech, clustering into speakers, known speakers, and words given their speakers."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from app.api.types import Segment, Word
+from app.server.serving.uploads import UPLOAD_VAD
+from app.server.vad import SileroVad
+from app.speakers import clustering, embedders
+from app.speakers import windows as plan
+from app.speakers.ge2e import PARTIAL_FRAMES, Ge2eEmbedder, Ge2eEncoder, mel_power
+from app.speakers.turns import SpeakerTimeline, Turn, diarize, turns
+from app.tools import conversations
+from app.tools.manifest import read_manifest
+
+SR = 16000
+
+
+@pytest.fixture(scope="module")
+def embedder() -> Ge2eEmbedder:
+    return Ge2eEmbedder.load()
+
+
+@pytest.fixture(scope="module")
+def pool(benchdata: Path) -> dict[str, conversations.Voice]:
+    return conversations.voices(read_manifest(benchdata / "manifest.jsonl"))
+
+
+def test_front_end_and_encoder_equal_the_resemblyzer_package(benchdata: Path) -> None:
+    """Our mel front end against the package's (librosa's), and our encoder against its `VoiceEncoder` on the same
+    frames: the weights were trained on exactly this input."""
+    from resemblyzer import VoiceEncoder, audio  # the package, with librosa and webrtcvad (dev extras)
+
+    wav, _ = sf.read(benchdata / "audio" / "whisper" / "jfk.wav", dtype="float32")
+    theirs = audio.wav_to_mel_spectrogram(wav)
+    ours = mel_power(torch.from_numpy(wav)[None])[0].numpy()
+    assert ours.shape == theirs.shape
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4 * float(theirs.max()))
+
+    reference = VoiceEncoder("cpu", verbose=False)
+    frames = torch.from_numpy(np.stack([theirs[k : k + PARTIAL_FRAMES] for k in (0, 300, 600)]))
+    with torch.inference_mode():
+        np.testing.assert_allclose(Ge2eEncoder.load()(frames).numpy(), reference(frames).numpy(), atol=1e-5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 60_000), st.integers(1, 120_000)), max_size=6),
+    st.integers(1_000, 30_000),
+    st.integers(100, 20_000),
+)
+def test_windows_cover_each_piece_and_never_cross_a_pause(raw: list[tuple[int, int]], size: int, hop: int) -> None:
+    pieces, at = [], 0
+    for gap, length in raw:
+        pieces.append((at + gap, at + gap + length))
+        at += gap + length
+    windows = plan.plan(pieces, size, hop)
+    spans = plan.spans(windows, pieces)
+    for k, (start, end) in enumerate(pieces):
+        mine = [w for w in windows if w.piece == k]
+        assert mine and mine[0].start == start and mine[-1].end == end  # covered from its start to its end
+        assert all(start <= w.start < w.end <= end and w.end - w.start <= size for w in mine)
+        covered = [s for w, s in zip(windows, spans, strict=True) if w.piece == k]
+        assert covered[0][0] == start and covered[-1][1] == end  # the spans tile the piece
+        assert all(a[1] == b[0] and a[0] < a[1] for a, b in itertools.pairwise(covered))
+
+
+def test_two_readers_are_two_speakers_and_references_name_them(
+    embedder: Ge2eEmbedder, pool: dict[str, conversations.Voice]
+) -> None:
+    conversation = conversations.build("test", ("lj", "jfk"), pool, 40.0, overlap=False, seed=3)
+    pieces = SileroVad().load().regions(conversation.audio, UPLOAD_VAD)
+    voices = embedders.prints(embedder, conversation.audio, pieces)
+    vectors = np.stack([v.vector for v in voices])
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    labels = clustering.cluster(vectors)
+    assert labels.max() == 1 and labels[0] == 0  # two voices, numbered as they first speak
+
+    def truth(t: float) -> str:  # the speaker of the turn nearest this time
+        return min(conversation.turns, key=lambda u: max(u.start - t, t - u.end, 0.0)).speaker
+
+    said = [truth((v.start + v.end) / 2) for v in voices]
+    first = said[0]
+    right = sum((label == 0) == (speaker == first) for label, speaker in zip(labels, said, strict=True))
+    assert right / len(voices) >= 0.95
+
+    # Known speakers: the references (audio kept out of the turns) name the clusters; a stranger names none.
+    refs = np.stack([embedders.reference_print(embedder, conversation.references[v]) for v in ("jfk", "lj")])
+    known = clustering.match_known(clustering.centroids(vectors, labels), refs)
+    assert known == {0: 1 if first == "lj" else 0, 1: 0 if first == "lj" else 1}
+    assert clustering.names(2, known, ["John", "Linda"]) == (["Linda", "John"] if first == "lj" else ["John", "Linda"])
+    stranger = embedders.reference_print(embedder, pool["fleurs-de"].reference)[None]
+    assert clustering.match_known(clustering.centroids(vectors, labels), stranger) == {}
+
+    # The operator's bounds on the number of speakers win over the distance cut.
+    assert clustering.cluster(vectors, max_speakers=1).max() == 0
+    assert clustering.cluster(vectors, min_speakers=3).max() == 2
+
+
+def test_names_are_letters_for_the_unknown_in_order_and_skip_given_names() -> None:
+    assert clustering.names(3, {}, []) == ["A", "B", "C"]
+    assert clustering.names(3, {1: 0}, ["A"]) == ["B", "A", "C"]
+    assert clustering.names(28, {}, [])[25:] == ["Z", "AA", "AB"]
+
+
+def _word(text: str, start: float, end: float) -> Word:
+    return Word(text, start, end, 0.9, ())
+
+
+def _segment(words: list[Word]) -> Segment:
+    text = "".join(w.word for w in words)
+    return Segment(0, 0, words[0].start, words[-1].end, text, [], 0.0, -0.1, 1.0, 0.0, words=words)
+
+
+def test_words_take_the_speaker_they_overlap_most_and_segments_split_between_words() -> None:
+    timeline = SpeakerTimeline(turns([(0.0, 1.0), (1.0, 2.0), (2.0, 2.4), (2.4, 4.0), (5.0, 6.0)], [0, 0, 1, 0, 1]))
+    assert [(t.start, t.end, t.speaker) for t in timeline.turns] == [(0.0, 4.0, 0), (5.0, 6.0, 1)]  # a lone print
+    words = [_word(" Hello", 0.2, 0.6), _word(" there.", 0.7, 3.9), _word(" Hi!", 4.2, 5.8)]
+    assert timeline.speaker_of(3.5, 5.4) == 0  # 0.5 s in speaker 0's turn, 0.4 s in speaker 1's
+    pieces = diarize([_segment(words)], timeline, ["Ann", "B"])
+    assert [(p.text, p.speaker) for p in pieces] == [("Hello there.", "Ann"), ("Hi!", "B")]
+    assert pieces[0].start == 0.2 and pieces[1].end == 5.8 and pieces[1].start == 4.2
+    assert "".join(w.word for p in pieces for w in p.words) == _segment(words).text  # no word split or lost
+    assert SpeakerTimeline([Turn(0.0, 1.0, 0), Turn(3.0, 4.0, 1)]).speaker_of(2.6, 2.8) == 1  # the nearest turn
+
+
+def test_an_onnx_embedder_file_the_operator_names(tmp_path: Path, benchdata: Path) -> None:
+    """A tiny embedder exported here: [batch, samples] audio in, [batch, 8] out; its window from its metadata."""
+    import onnx
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv1d(1, 16, 400, 160)
+            self.out = torch.nn.Linear(16, 8)
+
+        def forward(self, audio: torch.Tensor) -> torch.Tensor:
+            return self.out(self.conv(audio[:, None]).abs().mean(2))
+
+    path = tmp_path / "tiny.onnx"
+    torch.onnx.export(
+        Tiny(), (torch.randn(2, SR),), str(path), input_names=["audio"], output_names=["embedding"],
+        dynamic_axes={"audio": {0: "batch", 1: "samples"}, "embedding": {0: "batch"}}, dynamo=False,
+    )  # fmt: skip
+    model = onnx.load(str(path))
+    onnx.helper.set_model_props(model, {"window_s": "1.2"})
+    onnx.save(model, str(path))
+
+    embedder = embedders.load_embedder(path)
+    assert embedder.dim == 8 and embedder.window_s == 1.2 and embedder.name == "tiny.onnx"
+    wav, _ = sf.read(benchdata / "audio" / "whisper" / "jfk.wav", dtype="float32")
+    voices = embedders.prints(embedder, wav, [(0, 5 * SR), (6 * SR, 6 * SR + 8000)])
+    assert len(voices) == 9 + 1  # 5 s in 1.2-s windows every 0.5 s (flush with its end), and a 0.5-s piece whole
+    assert voices[-1].start == 6.0 and voices[-1].end == 6.5
+    np.testing.assert_allclose([np.linalg.norm(v.vector) for v in voices], 1.0, atol=1e-5)
+    with pytest.raises(ValueError, match="ONNX"):
+        embedders.load_embedder(tmp_path / "weights.bin")
+
+
+def test_many_prints_are_clustered_from_a_sample_to_the_same_speakers(
+    embedder: Ge2eEmbedder, pool: dict[str, conversations.Voice]
+) -> None:
+    """More prints than the tree takes (`MAX_TREE`): every k-th one is clustered, the rest join the nearest."""
+    conversation = conversations.build("test", ("lj", "jfk"), pool, 40.0, overlap=False, seed=3)
+    pieces = SileroVad().load().regions(conversation.audio, UPLOAD_VAD)
+    vectors = np.stack([v.vector for v in embedders.prints(embedder, conversation.audio, pieces)])
+    whole = clustering.cluster(vectors)
+    sampled = clustering.cluster(np.repeat(vectors, 20, axis=0))  # > MAX_TREE
+    assert len(vectors) * 20 > clustering.MAX_TREE
+    agree = np.mean(np.repeat(whole, 20) == sampled)
+    assert sampled.max() == whole.max() == 1 and agree >= 0.97
