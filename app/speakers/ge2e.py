@@ -69,15 +69,29 @@ class Ge2eEncoder(nn.Module):
         return encoder.eval()
 
 
+TARGET_DBFS = -30.0  # resemblyzer's preprocessing raises quieter audio to this loudness before the encoder
+MAX_GAIN_DB = 60.0
+
+
+def loudness_levelled(window: np.ndarray) -> np.ndarray:
+    """The window brought to TARGET_DBFS (raised by at most MAX_GAIN_DB). The encoder hears power, not log power:
+    a quiet recording (FLEURS has clips at -65 dBFS) would otherwise print as near silence, every quiet voice
+    alike, and one voice at two levels as two voices."""
+    rms = float(np.sqrt(np.mean(np.square(window, dtype=np.float64)))) if window.size else 0.0
+    gain_db = min(TARGET_DBFS - 20 * np.log10(max(rms, 1e-10)), MAX_GAIN_DB)
+    return window * np.float32(10 ** (gain_db / 20))
+
+
 class Ge2eEmbedder:
-    """`SpeakerEmbedder` over the GE2E encoder: each window's mel power through the LSTM, in batches of windows
-    of the same length."""
+    """`SpeakerEmbedder` over the GE2E encoder: each window levelled (`loudness_levelled`), its mel power through
+    the LSTM, in batches of windows of the same length. 16 windows a batch cost what 64 do per window (~5 ms
+    each on a core) and a quarter of the memory: the LSTM projects every step of a batch at once (~10 MB a layer)."""
 
     name = "ge2e-resemblyzer"
     dim = HIDDEN
     window_s = PARTIAL_FRAMES * HOP / SAMPLE_RATE  # 1.6 s
 
-    def __init__(self, encoder: Ge2eEncoder, batch: int = 64) -> None:
+    def __init__(self, encoder: Ge2eEncoder, batch: int = 16) -> None:
         self.encoder = encoder
         self.batch = batch
 
@@ -95,7 +109,8 @@ class Ge2eEmbedder:
             for indices in by_length.values():
                 for k in range(0, len(indices), self.batch):
                     part = indices[k : k + self.batch]
-                    audio = torch.from_numpy(np.stack([windows[i] for i in part]).astype(np.float32, copy=False))
+                    levelled = [loudness_levelled(windows[i]) for i in part]
+                    audio = torch.from_numpy(np.stack(levelled).astype(np.float32, copy=False))
                     mels = mel_power(audio)[:, : max(1, audio.shape[1] // HOP)]
                     out[part] = self.encoder(mels).numpy()
         return out
