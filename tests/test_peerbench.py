@@ -46,17 +46,22 @@ def test_peerbench_drives_every_server_with_the_same_load(benchdata: Path, tmp_p
             assert 100 < level["peak_rss_mb"] < 8000, (name, level)  # a whole server with its model, measured
         assert server["setup"]["threads"] == 2 and server["setup"]["decoding"].startswith("greedy")
 
-    # Live audio through each server's own protocol: every utterance gets a final after it ended.
+    # Live audio through each server's own protocol.
     assert servers["faster-whisper-server"]["live"] == {}  # it has no live protocol
-    # Ours must hear the clip as well live as uploaded; WhisperLive's own live accuracy on two busy cores
-    # varies (it drops segments it judges silent: 44% seen at two sessions), so its bound only says that
-    # its words came back through our reading of its protocol.
-    for name, wer_bound in (("specwhisper", 0.3), ("whisperlive", 0.6)):
+    # Every server's live level is reported whole. Ours must give every utterance its final, heard as well as
+    # uploaded, at every level; so must WhisperLive with one session, which shows that we read its protocol. With
+    # two sessions on two busy cores WhisperLive itself drops one now and then (CI: a session's error, or an
+    # utterance without its final, twice in three runs): there one final must come, and the level is reported.
+    for name in ("specwhisper", "whisperlive"):
         assert set(servers[name]["live"]) == {"1", "2"}, name
-        for level in servers[name]["live"].values():
-            assert level["missing_finals"] == 0 and level["errors"] == 0, (name, level)
+        for key, level in servers[name]["live"].items():
+            strict = name == "specwhisper" or key == "1"
             assert level["utterances"] == level["sessions"], (name, level)
-            assert 0 < level["p50_ms"] <= level["p95_ms"] and level["wer"] < wer_bound, (name, level)
+            if strict:
+                assert level["missing_finals"] == 0 and level["errors"] == 0, (name, level)
+                assert 0 < level["p50_ms"] <= level["p95_ms"] and level["wer"] < 0.3, (name, level)
+            else:
+                assert level["missing_finals"] < level["utterances"], (name, level)
             assert level["first_partial_p50_ms"] is not None, (name, level)
             assert all(level[field] is not None for field in FIELDS), (name, level)
 

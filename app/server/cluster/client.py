@@ -123,8 +123,6 @@ class ServeEngineClient:
     def submit(self, job: Job, lane: Lane = Lane.UPLOAD) -> Pending:
         if self._closed:
             raise ShuttingDown("the server is shutting down")
-        if self._state is None:  # once one was, jobs wait in the handle while Serve replaces replicas
-            raise WorkerUnavailable("no engine replica is ready yet")
         loop = asyncio.get_running_loop()
         pending = Pending(job, loop.create_future(), lane, asyncio.Queue() if job.stream else None)
         task = loop.create_task(self._run(pending), name=f"job-{job.request_id}")
@@ -139,7 +137,16 @@ class ServeEngineClient:
         self.outstanding -= 1
 
     async def _run(self, pending: Pending) -> None:
-        """Send the job to a replica (once more if that one dies) and settle `pending` with the outcome."""
+        """Send the job to a replica (once more if that one dies) and settle `pending` with the outcome.
+
+        An ingress that has not heard from a replica yet (Serve sends it requests as soon as the replicas exist,
+        before its first poll came back) asks one now; only if none answers is the job refused (503). Once one
+        has answered, jobs wait in the handle while Serve replaces replicas."""
+        if self._state is None:
+            await self._update_state()
+            if self._state is None:
+                _settle(pending, WorkerUnavailable("no engine replica is ready yet"))
+                return
         delivered = 0  # progress messages handed on: a retry skips as many
         for attempt in range(RETRIES + 1):
             outcome, delivered = await self._attempt(pending, delivered, last=attempt == RETRIES)
