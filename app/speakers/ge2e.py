@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from app.model.features import mel_filters
+from app.speakers.windows import same_lengths
 
 SAMPLE_RATE = 16000
 N_FFT = 400  # 25 ms
@@ -102,11 +103,8 @@ class Ge2eEmbedder:
     def embed(self, windows: list[np.ndarray]) -> np.ndarray:
         """Windows of 16-kHz float32 audio (any lengths) -> [len(windows), dim] float32 unit vectors."""
         out = np.zeros((len(windows), self.dim), np.float32)
-        by_length: dict[int, list[int]] = {}
-        for i, window in enumerate(windows):
-            by_length.setdefault(window.size, []).append(i)
         with torch.inference_mode():
-            for indices in by_length.values():
+            for indices in same_lengths(windows):
                 for k in range(0, len(indices), self.batch):
                     part = indices[k : k + self.batch]
                     levelled = [loudness_levelled(windows[i]) for i in part]

@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime
 
+from app.speakers.windows import same_lengths
+
 DEFAULT_WINDOW_S = 1.5
 
 
@@ -41,10 +43,7 @@ class OnnxEmbedder:
 
     def embed(self, windows: list[np.ndarray]) -> np.ndarray:
         out = np.zeros((len(windows), self.dim), np.float32)
-        by_length: dict[int, list[int]] = {}
-        for i, window in enumerate(windows):
-            by_length.setdefault(window.size, []).append(i)
-        for indices in by_length.values():
+        for indices in same_lengths(windows):
             batch = np.stack([windows[i] for i in indices]).astype(np.float32, copy=False)
             vectors = np.asarray(self.session.run(None, {self.input: batch})[0], np.float32)
             out[indices] = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)

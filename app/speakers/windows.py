@@ -64,3 +64,11 @@ def spans(windows: Sequence[Window], pieces: Sequence[tuple[int, int]]) -> list[
 def cut(audio: np.ndarray, windows: Sequence[Window]) -> list[np.ndarray]:
     """The windows' samples."""
     return [audio[w.start : w.end] for w in windows]
+
+
+def same_lengths(windows: Sequence[np.ndarray]) -> list[list[int]]:
+    """The windows' indices grouped by length, so that each group can run as one batch."""
+    groups: dict[int, list[int]] = {}
+    for i, window in enumerate(windows):
+        groups.setdefault(window.size, []).append(i)
+    return list(groups.values())
