@@ -70,6 +70,12 @@ def _by_first_appearance(labels: np.ndarray) -> np.ndarray:
     return np.array([order[label] for label in labels.tolist()], np.int64)
 
 
+def unit_mean(vectors: np.ndarray) -> np.ndarray:
+    """[n, dim] prints -> their mean, to unit length (a voice: a turn's, a reference's)."""
+    mean = np.asarray(vectors, np.float32).mean(axis=0)
+    return mean / max(float(np.linalg.norm(mean)), 1e-12)
+
+
 def centroids(vectors: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """[speakers, dim] unit mean prints."""
     count = int(labels.max()) + 1 if len(labels) else 0

@@ -16,6 +16,7 @@ import numpy as np
 
 from app.api.types import Voice
 from app.speakers import windows as plan
+from app.speakers.clustering import unit_mean
 
 SAMPLE_RATE = 16000
 
@@ -64,5 +65,4 @@ def reference_print(embedder: SpeakerEmbedder, audio: np.ndarray, hop_s: float =
     """A known speaker's print: the mean of its reference's window prints, to unit length (as GE2E's utterance
     embedding is made)."""
     vectors = np.stack([v.vector for v in prints(embedder, audio, [(0, audio.size)], hop_s)])
-    mean = vectors.mean(axis=0)
-    return (mean / max(float(np.linalg.norm(mean)), 1e-12)).astype(np.float32)
+    return unit_mean(vectors)

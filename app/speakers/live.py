@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from app.api.types import Voice
-from app.speakers.clustering import KNOWN_SIMILARITY, names
+from app.speakers.clustering import KNOWN_SIMILARITY, names, unit_mean
 from app.speakers.diarization import WEAK_S
 
 
@@ -32,8 +32,7 @@ class LiveSpeakers:
             return None
         vectors = np.stack([np.asarray(v.vector, np.float32) for v in voices])
         heard = sum(v.heard for v in voices)
-        voice = vectors.mean(axis=0)
-        voice /= max(float(np.linalg.norm(voice)), 1e-12)
+        voice = unit_mean(vectors)
         if self._sums:
             means = np.stack([s / max(float(np.linalg.norm(s)), 1e-12) for s in self._sums])
             scores = means @ voice

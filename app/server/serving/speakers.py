@@ -29,6 +29,7 @@ from app.server.serving.chunking import Chunk
 from app.server.serving.jobs import Jobs
 from app.server.vad import SileroVad, VadParams
 from app.server.worker.protocol import Job, PrintRequest
+from app.speakers.clustering import unit_mean
 from app.speakers.diarization import Diarization, SpeakerRequest, label_speakers
 
 MAX_KNOWN = 4
@@ -138,9 +139,7 @@ class Speakers:
                 prints=PrintRequest(tuple(pieces) or ((0, samples.size),), only=True),
             )
             transcription, _ = await self.jobs.run(job)
-            vectors = np.stack([np.asarray(v.vector, np.float32) for v in transcription.voices])
-            mean = vectors.mean(axis=0)
-            prints.append(mean / max(float(np.linalg.norm(mean)), 1e-12))
+            prints.append(unit_mean(np.stack([v.vector for v in transcription.voices])))
         return prints
 
     async def label(
