@@ -208,7 +208,7 @@ def test_a_live_session_names_the_same_voice_the_same_across_turns(server: Serve
             "input_audio_sample_rate": 16000, "turn_detection": None,
             "input_audio_transcription": {"model": "whisper-1", "language": "en", "diarize": True}}}))  # fmt: skip
         for voice in said:
-            pcm = (np.clip(pool[voice].turn(4.0), -1, 1) * 32767).astype("<i2").tobytes()
+            pcm = (np.clip(pool[voice].turn(4.0)[0], -1, 1) * 32767).astype("<i2").tobytes()
             ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()}))
             ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
         updated, completed = None, []

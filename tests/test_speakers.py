@@ -19,7 +19,7 @@ from app.server.vad import SileroVad
 from app.speakers import clustering, embedders
 from app.speakers import windows as plan
 from app.speakers.ge2e import PARTIAL_FRAMES, Ge2eEmbedder, Ge2eEncoder, mel_power
-from app.speakers.turns import SpeakerTimeline, Turn, diarize, turns
+from app.speakers.turns import SpeakerTimeline, SpeechRegions, Turn, diarize, turns
 from app.tools import conversations
 from app.tools.manifest import read_manifest
 
@@ -132,6 +132,22 @@ def test_words_take_the_speaker_they_overlap_most_and_segments_split_between_wor
     assert pieces[0].start == 0.2 and pieces[1].end == 5.8 and pieces[1].start == 4.2
     assert "".join(w.word for p in pieces for w in p.words) == _segment(words).text  # no word split or lost
     assert SpeakerTimeline([Turn(0.0, 1.0, 0), Turn(3.0, 4.0, 1)]).speaker_of(2.6, 2.8) == 1  # the nearest turn
+
+
+def test_segments_split_at_the_vads_pauses_and_keep_to_its_speech() -> None:
+    """Whisper's word times stretch over a pause (here " there," ends at 2.4 s, the speech at 1.6 s): a piece
+    ends where the VAD heard a pause between its words, and its times keep to the speech; a word outside every
+    region keeps its own times."""
+    timeline = SpeakerTimeline([Turn(0.0, 6.0, 0)])
+    words = [_word(" Hello", 0.1, 0.9), _word(" there,", 0.9, 2.4), _word(" you.", 2.4, 3.6), _word(" Hm", 5.0, 5.5)]
+    speech = SpeechRegions([(0.4, 1.6), (2.5, 3.2)])
+    pieces = diarize([_segment(words)], timeline, ["A"], speech)
+    expected = [("Hello there,", 0.4, 1.6), ("you.", 2.5, 3.2), ("Hm", 5.0, 5.5)]
+    assert [(p.text, p.start, p.end) for p in pieces] == expected
+    assert [(p.text, p.start, p.end) for p in diarize([_segment(words)], timeline, ["A"])] == [
+        ("Hello there, you.", 0.1, 3.6),
+        ("Hm", 5.0, 5.5),
+    ]
 
 
 def test_an_onnx_embedder_file_the_operator_names(tmp_path: Path, benchdata: Path) -> None:

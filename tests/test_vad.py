@@ -91,6 +91,13 @@ def test_regions_as_found_are_silero_s_regions(vad: SileroVad, clip: Callable[[s
     audio[-60 * SR :] = 0
     later = list(found)
     assert first[1] < 20 * SR and later and later[-1][1] < audio.size - 60 * SR
+    # A finder asked for finer regions too finds, from the same probabilities, what a finder of its own finds.
+    fine = VadParams(threshold=0.5, prefix_padding_ms=30, silence_duration_ms=300)
+    finder = vad.finder(AUTO_VAD, CHUNK_SECONDS, fine)
+    coarse = [r for start in range(0, audio.size, 65 * SR) for r in finder.feed(audio[start : start + 65 * SR])]
+    coarse += finder.finish()
+    assert coarse == vad.regions(audio, AUTO_VAD, CHUNK_SECONDS)
+    assert finder.speech == vad.regions(audio, fine) and len(finder.speech) > len(coarse)
 
 
 @given(

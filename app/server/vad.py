@@ -169,25 +169,45 @@ class FrameProbabilities:
 class RegionFinder:
     """An upload's speech regions while its audio is fed in blocks (`SileroVad.finder`): each `feed` returns the
     regions that audio settled, `finish` the rest; each region ends within the audio. Blocking (~2.5 ms per second
-    of audio)."""
+    of audio). With `speech_rules`, the same probabilities also settle finer regions, gathered in `speech` (where
+    a diarized transcript's pieces are cut and kept to)."""
 
-    def __init__(self, model: FrameModel, rules: RegionRules) -> None:
+    def __init__(self, model: FrameModel, rules: RegionRules, speech_rules: RegionRules | None = None) -> None:
         self._probabilities = FrameProbabilities(model)
         self._settler = RegionSettler(rules)
+        self._speech = RegionSettler(speech_rules) if speech_rules is not None else None
+        self.speech: list[tuple[int, int]] = []
 
     @property
     def samples(self) -> int:
         return self._probabilities.samples
 
     def feed(self, audio: np.ndarray) -> list[tuple[int, int]]:
-        return self._within(self._settler.add(self._probabilities.feed(audio)))
+        return self._settled(self._probabilities.feed(audio))
 
     def finish(self) -> list[tuple[int, int]]:
-        tail = self._settler.add(self._probabilities.finish())
-        return self._within(tail + self._settler.finish(self.samples))
+        tail = self._settled(self._probabilities.finish())
+        if self._speech is not None:
+            self.speech += self._within(self._speech.finish(self.samples))
+        return tail + self._within(self._settler.finish(self.samples))
+
+    def _settled(self, probs: list[float]) -> list[tuple[int, int]]:
+        if self._speech is not None:
+            self.speech += self._within(self._speech.add(probs))
+        return self._within(self._settler.add(probs))
 
     def _within(self, regions: list[tuple[int, int]]) -> list[tuple[int, int]]:
         return [(start, min(end, self.samples)) for start, end in regions]
+
+
+def _rules(params: VadParams, max_seconds: float) -> RegionRules:
+    return RegionRules(
+        threshold=params.threshold,
+        min_speech_duration_ms=params.min_speech_duration_ms,
+        min_silence_duration_ms=params.silence_duration_ms,
+        speech_pad_ms=params.prefix_padding_ms,
+        max_speech_duration_s=max_seconds,
+    )
 
 
 class SileroVad:
@@ -231,16 +251,13 @@ class SileroVad:
             yield from finder.feed(audio[start : start + FIRST_BLOCK * WINDOW])
         yield from finder.finish()
 
-    def finder(self, params: VadParams, max_seconds: float = float("inf")) -> RegionFinder:
-        """A `RegionFinder` with these parameters (regions at most `max_seconds` long, see `regions`)."""
-        rules = RegionRules(
-            threshold=params.threshold,
-            min_speech_duration_ms=params.min_speech_duration_ms,
-            min_silence_duration_ms=params.silence_duration_ms,
-            speech_pad_ms=params.prefix_padding_ms,
-            max_speech_duration_s=max_seconds,
-        )
-        return RegionFinder(self.frames(), rules)
+    def finder(
+        self, params: VadParams, max_seconds: float = float("inf"), speech: VadParams | None = None
+    ) -> RegionFinder:
+        """A `RegionFinder` with these parameters (regions at most `max_seconds` long, see `regions`), and with
+        `speech`, finer regions by those parameters too."""
+        fine = _rules(speech, float("inf")) if speech is not None else None
+        return RegionFinder(self.frames(), _rules(params, max_seconds), fine)
 
     def stream(self, params: VadParams) -> SpeechStream:
         return SpeechStream(self, params)

@@ -16,7 +16,7 @@ import numpy as np
 
 from app.api.types import Segment, Voice
 from app.speakers import clustering
-from app.speakers.turns import SpeakerSegment, SpeakerTimeline, diarize, turns
+from app.speakers.turns import SpeakerSegment, SpeakerTimeline, SpeechRegions, diarize, turns
 
 WEAK_S = 1.0  # a print of less speech than this founds no speaker (`clustering.cluster`'s `weak`)
 
@@ -57,13 +57,16 @@ def label_speakers(
     voices: Sequence[Voice],
     segments: Sequence[Segment],
     request: SpeakerRequest,
+    speech: Sequence[tuple[float, float]] = (),
     threshold: float = clustering.THRESHOLD,
     known_similarity: float = clustering.KNOWN_SIMILARITY,
 ) -> Diarization:
-    """Who said each piece of these segments, from the voice prints taken over the same audio."""
+    """Who said each piece of these segments, from the voice prints taken over the same audio; `speech`: where
+    the VAD heard speech (s), which the pieces are cut at and kept to."""
+    regions = SpeechRegions(speech)
     voices = sorted(voices, key=lambda v: v.start)
     if not voices:  # no speech heard: one speaker, the first known one if any
-        pieces = diarize(segments, SpeakerTimeline([]), [request.names[0] if request.names else "A"])
+        pieces = diarize(segments, SpeakerTimeline([]), [request.names[0] if request.names else "A"], regions)
         return Diarization(pieces, list(dict.fromkeys(p.speaker for p in pieces)))
     vectors = np.stack([np.asarray(v.vector, np.float32) for v in voices])
     weak = np.array([v.heard < WEAK_S for v in voices])
@@ -72,7 +75,7 @@ def label_speakers(
     references = np.stack(request.references) if request.references else np.zeros((0, vectors.shape[1]))
     known = clustering.match_known(clustering.centroids(vectors, labels), references, known_similarity)
     timeline = SpeakerTimeline(turns([(v.start, v.end) for v in voices], labels.tolist()))
-    numbered = diarize(segments, timeline, [str(k) for k in range(count)])
+    numbered = diarize(segments, timeline, [str(k) for k in range(count)], regions)
     order = [int(s) for s in dict.fromkeys(p.speaker for p in numbered)]  # as they first speak in the text
     order += [k for k in range(count) if k not in order]
     lettered = clustering.names(count, {order.index(k): j for k, j in known.items()}, request.names)

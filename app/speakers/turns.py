@@ -3,9 +3,10 @@
 `turns` merges the time each print speaks for into speaker turns (a lone print between two of another voice is
 taken for that voice: half a second is too short to be a turn). `speaker_of` gives a stretch of time (a word)
 the speaker whose turns overlap it most (WhisperX's rule), else the nearest turn's. `diarize` cuts each of
-Whisper's segments between words where the speaker changes (or after a pause of `PAUSE_S`): no segment splits a
-word, the segments' texts are the transcript's, and each spans its words, from the first's start to the last's
-end.
+Whisper's segments between words where the speaker changes, where the VAD heard a pause (`SpeechRegions`: each word
+belongs to the region it overlaps most) or after a pause of `PAUSE_S` between words: no segment splits a word, the
+segments' texts are the transcript's, and each spans its words, from the first's start to the last's end, kept
+within its speech region (Whisper's word times stretch over the pauses around them).
 """
 
 from __future__ import annotations
@@ -79,8 +80,35 @@ class SpeakerTimeline:
         return min(self.turns, key=lambda t: max(t.start - middle, middle - t.end)).speaker
 
 
-def diarize(segments: Sequence[Segment], timeline: SpeakerTimeline, names: Sequence[str]) -> list[SpeakerSegment]:
-    """Whisper's segments cut at speaker changes between words, each piece with its speaker's name."""
+class SpeechRegions:
+    """Where the VAD heard speech ([start, end) s, in time order, apart by pauses)."""
+
+    def __init__(self, regions: Sequence[tuple[float, float]]) -> None:
+        self.regions = sorted(regions)
+        # the same lookup as a speaker's: each region labelled with its index
+        self._lookup = SpeakerTimeline([Turn(a, b, k) for k, (a, b) in enumerate(self.regions)])
+
+    def region_of(self, start: float, end: float) -> int | None:
+        """The region that [start, end] overlaps most, else the nearest; None without regions."""
+        return self._lookup.speaker_of(start, end)
+
+    def within(self, region: int | None, start: float, end: float) -> tuple[float, float]:
+        """[start, end] cut to the region, unless it lies outside it."""
+        if region is None:
+            return start, end
+        a, b = self.regions[region]
+        low, high = max(start, a), min(end, b)
+        return (low, high) if high > low else (start, end)
+
+
+def diarize(
+    segments: Sequence[Segment],
+    timeline: SpeakerTimeline,
+    names: Sequence[str],
+    speech: SpeechRegions | None = None,
+) -> list[SpeakerSegment]:
+    """Whisper's segments cut at speaker changes and pauses between words, each piece with its speaker's name."""
+    speech = speech or SpeechRegions([])
     out: list[SpeakerSegment] = []
     for segment in segments:
         if not segment.text.strip():
@@ -89,16 +117,16 @@ def diarize(segments: Sequence[Segment], timeline: SpeakerTimeline, names: Seque
             speaker = timeline.speaker_of(segment.start, segment.end)
             out.append(SpeakerSegment(segment.start, segment.end, segment.text.strip(), _name(speaker, names)))
             continue
-        runs: list[tuple[int | None, list[Word]]] = []
+        runs: list[tuple[tuple[int | None, int | None], list[Word]]] = []
         for word in segment.words:
-            speaker = timeline.speaker_of(word.start, word.end)
-            if runs and runs[-1][0] == speaker and word.start - runs[-1][1][-1].end < PAUSE_S:
+            key = (timeline.speaker_of(word.start, word.end), speech.region_of(word.start, word.end))
+            if runs and runs[-1][0] == key and word.start - runs[-1][1][-1].end < PAUSE_S:
                 runs[-1][1].append(word)
             else:
-                runs.append((speaker, [word]))
-        for speaker, words in runs:
+                runs.append((key, [word]))
+        for (speaker, region), words in runs:
             text = "".join(w.word for w in words).strip()
-            start, end = words[0].start, max(words[-1].end, words[0].start)
+            start, end = speech.within(region, words[0].start, max(words[-1].end, words[0].start))
             out.append(SpeakerSegment(start, end, text, _name(speaker, names), tuple(words)))
     return out
 

@@ -4,7 +4,8 @@ Each voice is the clips of one speaker in the benchmark set (LJSpeech's reader, 
 speaker, pocketsphinx's card reader), all in English. A conversation alternates its voices at random,
 each turn 2-15 s of a voice's speech (cut at the quietest 10 ms near the length drawn) after a pause of
 0.2-1 s, or, in an overlapping conversation, starting 0.5-2 s before the previous turn ends (the two mixed).
-The reference says where each turn's speech is: its voiced 10-ms frames, pauses under `PAUSE_S` bridged.
+The reference says where each turn's speech is: its voiced 10-ms frames (judged against the loudest frame and the
+noise floor of the recording it comes from), pauses under `PAUSE_S` bridged.
 Each voice's last `REFERENCE_S` of audio is kept out of the turns: it is the voice's known-speaker reference.
 """
 
@@ -21,7 +22,9 @@ from app.tools.manifest import ManifestClip
 
 SR = 16000
 REFERENCE_S = 5.0
-VOICED_DB = 35.0  # a 10-ms frame within this many dB of the turn's loudest is voiced
+FRAME = SR // 100  # 10 ms
+VOICED_DB = 35.0  # a 10-ms frame within this many dB of its recording's loudest ...
+ABOVE_FLOOR_DB = 10.0  # ... and this many above the recording's noise floor is voiced
 PAUSE_S = 0.3  # a pause this long within a turn is not speech in the reference (as DIHARD-style references split)
 VOICES: dict[str, tuple[str, ...]] = {  # a voice: the manifest ids (prefixes) of its clips
     "lj": ("ljspeech/LJ00",),  # LJSpeech's reader
@@ -73,52 +76,62 @@ def _read(clip: ManifestClip) -> np.ndarray:
     return audio.mean(axis=1)
 
 
-def _energy(audio: np.ndarray, frame: int = SR // 100) -> np.ndarray:
+def _energy(audio: np.ndarray) -> np.ndarray:
     """dB of each 10 ms."""
-    n = audio.size // frame
-    power = np.square(audio[: n * frame].reshape(n, frame)).mean(axis=1)
+    n = audio.size // FRAME
+    power = np.square(audio[: n * FRAME].reshape(n, FRAME)).mean(axis=1)
     return 10 * np.log10(power + 1e-10)
 
 
-def _voiced(audio: np.ndarray) -> tuple[float, float]:
-    """Its first and last voiced 10 ms (within 40 dB of its loudest), in s."""
-    stretches = _speech(audio, bridge_s=float("inf"))
-    return stretches[0] if stretches else (0.0, audio.size / SR)
-
-
-def _speech(audio: np.ndarray, bridge_s: float = PAUSE_S) -> list[tuple[float, float]]:
-    """Its voiced stretches (10-ms frames within 40 dB of its loudest; pauses shorter than `bridge_s` bridged), s."""
+def _voiced(audio: np.ndarray) -> np.ndarray:
+    """Which samples of a recording are voiced: in 10-ms frames within `VOICED_DB` of its loudest and at least
+    `ABOVE_FLOOR_DB` above its noise floor (the 10th percentile frame), so that a noisy recording's pauses (JFK's
+    crowd) are not counted as speech."""
     db = _energy(audio)
-    loud = np.flatnonzero(db > db.max() - VOICED_DB) if db.size else np.zeros(0, np.int64)
+    mask = np.zeros(audio.size, bool)
+    if db.size:
+        floor = float(np.percentile(db, 10))
+        frames = db > max(float(db.max()) - VOICED_DB, floor + ABOVE_FLOOR_DB)
+        mask[: frames.size * FRAME] = np.repeat(frames, FRAME)
+    return mask
+
+
+def _stretches(voiced: np.ndarray, bridge_s: float = PAUSE_S) -> list[tuple[float, float]]:
+    """The voiced stretches of a mask (s), pauses shorter than `bridge_s` bridged."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[False], voiced, [False]]).astype(np.int8)))
     stretches: list[tuple[float, float]] = []
-    for frame in loud.tolist():
-        start, end = frame / 100, min((frame + 1) / 100, audio.size / SR)
-        if stretches and start - stretches[-1][1] < bridge_s:
-            stretches[-1] = (stretches[-1][0], end)
+    for start, end in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
+        if stretches and start / SR - stretches[-1][1] < bridge_s:
+            stretches[-1] = (stretches[-1][0], end / SR)
         else:
-            stretches.append((start, end))
+            stretches.append((start / SR, end / SR))
     return stretches
 
 
 class Voice:
-    """A speaker's speech, handed out turn by turn (from the start again when used up)."""
+    """A speaker's speech, handed out turn by turn (from the start again when used up), with where it is voiced."""
 
     def __init__(self, name: str, clips: Sequence[ManifestClip]) -> None:
         if not clips:
             raise ValueError(f"no clips in the manifest for the voice {name!r}")
-        pieces = []
+        pieces, masks = [], []
+        gap = int(0.3 * SR)
         for clip in clips:
             audio = _read(clip)
-            start, end = _voiced(audio)
-            pieces += [audio[int(start * SR) : int(end * SR)], np.zeros(int(0.3 * SR), np.float32)]
-        whole = np.concatenate(pieces)
+            voiced = _voiced(audio)
+            at = np.flatnonzero(voiced)
+            start, end = (int(at[0]), int(at[-1]) + 1) if at.size else (0, audio.size)
+            pieces += [audio[start:end], np.zeros(gap, np.float32)]
+            masks += [voiced[start:end], np.zeros(gap, bool)]
+        whole, mask = np.concatenate(pieces), np.concatenate(masks)
         keep = int(REFERENCE_S * SR)
         self.name = name
         self.reference = whole[-keep:]
-        self.speech = whole[:-keep]
+        self.speech, self.voiced = whole[:-keep], mask[:-keep]
         self.cursor = 0
 
-    def turn(self, seconds: float) -> np.ndarray:
+    def turn(self, seconds: float) -> tuple[np.ndarray, np.ndarray]:
+        """About `seconds` of its speech, and which of its samples are voiced."""
         if self.cursor >= self.speech.size - 2 * SR:
             self.cursor = 0
         rest = self.speech[self.cursor :]
@@ -126,10 +139,10 @@ class Voice:
         if want < rest.size:  # end at the quietest 10 ms within half a second of the length drawn
             low, high = max(SR, want - SR // 2), min(rest.size, want + SR // 2)
             db = _energy(rest[low:high])
-            want = low + int(np.argmin(db)) * (SR // 100) if db.size else want
-        piece = rest[:want]
+            want = low + int(np.argmin(db)) * FRAME if db.size else want
+        piece, voiced = rest[:want], self.voiced[self.cursor : self.cursor + want]
         self.cursor += want
-        return piece
+        return piece, voiced
 
 
 def voices(clips: Sequence[ManifestClip]) -> dict[str, Voice]:
@@ -146,9 +159,9 @@ def build(
     at, previous = int(0.5 * SR), None
     while at < seconds * SR:
         speaker = rng.choice([v for v in voice_names if v != previous])
-        audio = pool[speaker].turn(rng.uniform(2.0, 15.0))
+        audio, voiced = pool[speaker].turn(rng.uniform(2.0, 15.0))
         parts.append((at, audio, speaker))
-        turns += [Turn(speaker, round(at / SR + a, 3), round(at / SR + b, 3)) for a, b in _speech(audio)]
+        turns += [Turn(speaker, round(at / SR + a, 3), round(at / SR + b, 3)) for a, b in _stretches(voiced)]
         end = at + audio.size
         shift = -rng.uniform(0.5, 2.0) if overlap else rng.uniform(0.2, 1.0)
         at, previous = max(end + int(shift * SR), at + SR), speaker

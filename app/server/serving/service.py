@@ -29,7 +29,7 @@ from app.server.serving.live import LiveService
 from app.server.serving.models import ModelNames
 from app.server.serving.replies import Replies, Reply
 from app.server.serving.requests import RequestRules, TranscriptionRequest
-from app.server.serving.speakers import SpeakerAsk, Speakers, prints_of
+from app.server.serving.speakers import SPEECH_VAD, SpeakerAsk, Speakers, prints_of
 from app.server.serving.streams import HeldEvents, Part, chunk_events, job_events
 from app.server.serving.uploads import STEP_SAMPLES, AudioScan, Chunking, ChunkScan, chunk_results
 from app.server.vad import SileroVad
@@ -106,11 +106,12 @@ class TranscriptionService:
         async with self._admitted(req, chunking) as upload:
             if chunking is not None:
                 diarize = await self._speakers(ask, options, upload)
-                results = self._chunk_results(request_id, upload, options, chunking, prints=diarize is not None)
+                scan = self._chunk_scan(upload, chunking, diarized=diarize is not None)
+                results = self._chunk_results(request_id, upload, scan, options, prints=diarize is not None)
                 async with self._audio_errors(req), aclosing(results) as chunks:
                     parts = [part async for part in chunks]
                 queue_ms = parts[0][2] if parts else 0.0
-                transcription, diarization = await self._finish(parts, upload, options, diarize)
+                transcription, diarization = await self._finish(parts, upload, options, diarize, scan)
             else:
                 job = Job(request_id, upload.audio, options, samples=upload.scan.samples, background=upload.long)
                 transcription, queue_ms = await self.jobs.run(job)
@@ -127,13 +128,18 @@ class TranscriptionService:
         return ask.request(prints)
 
     async def _finish(
-        self, parts: Sequence[Part], upload: Upload, options: DecodingOptions, diarize: SpeakerRequest | None
+        self,
+        parts: Sequence[Part],
+        upload: Upload,
+        options: DecodingOptions,
+        diarize: SpeakerRequest | None,
+        scan: ChunkScan,
     ) -> tuple[Transcription, Diarization | None]:
         """A chunked upload's transcription from its chunks', and who said what when it asks."""
         transcription = _merged(parts, upload, options)
         if diarize is None:
             return transcription, None
-        return transcription, await self.speakers.label(parts, transcription, diarize)
+        return transcription, await self.speakers.label(parts, transcription, diarize, scan.speech)
 
     async def transcribe_stream(self, req: TranscriptionRequest, request_id: str | None = None) -> HeldEvents:
         """Validate the request and read its audio now (errors raise here), then return its events, its place in
@@ -147,13 +153,13 @@ class TranscriptionService:
         try:
             if chunking is not None:
                 diarize = await self._speakers(ask, options, upload)
+                diarized = diarize is not None
+                scan = self._chunk_scan(upload, chunking, diarized=diarized)
                 events = chunk_events(
                     req,
-                    functools.partial(
-                        self._chunk_results, request_id, upload, options, chunking, prints=diarize is not None
-                    ),
+                    functools.partial(self._chunk_results, request_id, upload, scan, options, prints=diarized),
                     functools.partial(self._audio_errors, req),
-                    functools.partial(self._finish, upload=upload, options=options, diarize=diarize),
+                    functools.partial(self._finish, upload=upload, options=options, diarize=diarize, scan=scan),
                     self.replies,
                     started,
                 )
@@ -209,18 +215,22 @@ class TranscriptionService:
                 f"Could not decode the audio file: {exc}", param="file", code="invalid_audio"
             ) from exc
 
+    def _chunk_scan(self, upload: Upload, chunking: Chunking, *, diarized: bool) -> ChunkScan:
+        """The VAD's pass over an upload; a diarized one's also finds the finer speech regions its pieces keep to."""
+        speech = SPEECH_VAD if diarized else None
+        finder = functools.partial(self.vad.finder, chunking.params, CHUNK_SECONDS, speech)
+        return ChunkScan(upload.audio, finder, upload.scan.gain)
+
     def _chunk_results(
         self,
         request_id: str,
         upload: Upload,
+        chunks: ChunkScan,
         options: DecodingOptions,
-        chunking: Chunking,
         *,
         prints: bool = False,
     ) -> AsyncGenerator[Part, None]:
         """The upload's chunks with their transcriptions and queue times, in order (`uploads.chunk_results`)."""
-        finder = functools.partial(self.vad.finder, chunking.params, CHUNK_SECONDS)
-        chunks = ChunkScan(upload.audio, finder, upload.scan.gain)
 
         def run(step: Callable[[], T]) -> Any:
             return self.share.run(upload.account, step)

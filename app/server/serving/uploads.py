@@ -121,6 +121,11 @@ class ChunkScan:
             chunks += self._packer.finish()
         return [(c, np.concatenate([self._reader.take(start, end) for start, end in c.pieces])) for c in chunks]
 
+    @property
+    def speech(self) -> list[tuple[int, int]]:
+        """The finer speech regions found so far (samples), when the finder looks for them (`RegionFinder.speech`)."""
+        return self._finder.speech if self._finder is not None else []
+
 
 async def chunk_results(
     scan: ChunkScan,
