@@ -87,7 +87,8 @@ def test_segments_equal_the_reference(
 ) -> None:
     audio = recordings[name]
     expected = reference_transcribe(reference, audio, temperature=FALLBACK_TEMPERATURES)
-    for speculative in (True, False):
+    # main-only on the chapter too (the engine's tests hold both modes' long-form tokens equal on the rest)
+    for speculative in (True, False) if name == "chapter" else (True,):
         body = _transcribe(server, audio, speculative, words=False)
         assert body["language"] == ("german" if name == "german" else "english")  # OpenAI gives the name
         problems = compare_segments(_segments(body), expected["segments"], audio.size / SR)
@@ -130,13 +131,13 @@ def test_beam_search_equals_the_reference(
     clip: Callable[[str], np.ndarray],
 ) -> None:
     """Beam search through the API (the official SDK's extra form fields) gives openai-whisper's
-    `transcribe(beam_size=5, best_of=5)` segments on the read chapter's first two minutes (several windows; greedy
+    `transcribe(beam_size=5, best_of=5)` segments on the read chapter's first minute (three windows; greedy
     long-form has the whole chapter in test_segments_equal_the_reference) and four short clips, speculative (that
     speculative beam search gives plain beam search's tokens, long-form too, is test_beam's); the answer's metrics
     say beam search ran."""
     sdk = openai_client(server)
     short = [c.id for c in manifest.values() if c.language == "en" and c.subset == "short"][40:44]
-    cases = {"chapter": recordings["chapter"][: 120 * SR], **{c: clip(c) for c in short}}
+    cases = {"chapter": recordings["chapter"][: 60 * SR], **{c: clip(c) for c in short}}
     for name, audio in cases.items():
         expected = reference_transcribe(reference, audio, beam_size=5, best_of=5, temperature=FALLBACK_TEMPERATURES)
         response = sdk.audio.transcriptions.create(
@@ -148,6 +149,7 @@ def test_beam_search_equals_the_reference(
         body = response.model_dump()
         assert body["metrics"]["decoding"] == "beam" and body["metrics"]["beam_size"] == 5
         assert body["metrics"]["speculative"]
+        assert name != "chapter" or len({s["seek"] for s in body["segments"]}) >= 2  # long-form: several windows
         problems = compare_segments(_segments(body), expected["segments"], audio.size / SR)
         assert not problems, (name, problems[:5])
     # Prometheus has each decoding's tokens and main passes (their ratio: tokens per main pass).

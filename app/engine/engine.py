@@ -386,9 +386,9 @@ class Engine:
         if job.aligns_words:
             timings = []
             text = job.text_tokens(window)
-            if text:  # only word alignment reads the audio again: one row's copy (~37 MB for base) only then
+            if text:  # only word alignment reads the audio again: a view of the row's entry, not a copy (~37 MB)
                 sot_sequence = self.main.tokenizer.prompt(job.language, job.options.task, timestamps=True)
-                row_cross = cross.select(torch.tensor([row]))
+                row_cross = cross.entry(cross.owner(row), 1)
                 timings = align_words(self.main, row_cross, sot_sequence, text, frames, job.language)
             if not job.place_words(window, timings):
                 return

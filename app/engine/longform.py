@@ -24,15 +24,14 @@ import numpy as np
 import torch
 
 from app.api.audio import SAMPLE_RATE
-from app.api.types import DecodingOptions, Metrics, Segment, TokenLogprob, Transcription, Word
-from app.engine.alignment import APPEND_PUNCTUATION, PREPEND_PUNCTUATION, WordTiming, merge_punctuation
+from app.api.types import DecodingOptions, Metrics, Segment, TokenLogprob, Transcription
+from app.engine.alignment import WordTiming
 from app.engine.decoding.search import Decoded, RowStats
+from app.engine.wordtimes import WindowSegment, add_words, is_anomaly, last_end_of, with_words
 from app.model.features import FRAMES_PER_SECOND, INPUT_STRIDE, N_FRAMES, N_SAMPLES, TIME_PRECISION, log_mel, window
 from app.model.tokenizer import WhisperTokenizer
 
 SAMPLE_LEN = 224  # new tokens per window (OpenAI: n_text_ctx // 2)
-PUNCTUATION = PREPEND_PUNCTUATION + APPEND_PUNCTUATION  # not words, for the hallucination check (as OpenAI's)
-SENTENCE_ENDS = ".。!！?？"
 
 
 def compression_ratio(text: str) -> float:
@@ -49,19 +48,6 @@ class Counters:
     decode_s: float = 0.0
     windows: int = 0
     tokens: int = 0
-
-
-@dataclass
-class WindowSegment:
-    """A segment of the window being decoded, before it is committed (times in seconds of the audio)."""
-
-    seek: int
-    start: float
-    end: float
-    tokens: list[int]
-    text: str
-    logprobs: list[float]  # of each of its tokens
-    words: list[Word] = field(default_factory=list)
 
 
 @dataclass
@@ -83,34 +69,6 @@ class Window:
     def end_time(self) -> float:
         """Where a full 30-s window from here would end (s)."""
         return (self.seek + N_FRAMES) / FRAMES_PER_SECOND
-
-
-def _end(segments: list[WindowSegment]) -> float | None:
-    """The last word's end, else the last segment's end (OpenAI's `get_end`)."""
-    return next((w.end for s in reversed(segments) for w in reversed(s.words)), segments[-1].end if segments else None)
-
-
-def _anomaly(word: Word) -> float:
-    """How unlike a spoken word it is: improbable, very short or very long."""
-    duration = word.end - word.start
-    score = 1.0 if word.probability < 0.15 else 0.0
-    if duration < 0.133:
-        score += (0.133 - duration) * 15
-    if duration > 2.0:
-        score += duration - 2.0
-    return score
-
-
-def _is_anomaly(segment: WindowSegment | None) -> bool:
-    if segment is None or not segment.words:
-        return False
-    words = [w for w in segment.words if w.word not in PUNCTUATION][:8]
-    score = sum(_anomaly(w) for w in words)
-    return score >= 3 or score + 0.01 >= len(words)
-
-
-def _with_words(segments: list[WindowSegment]) -> WindowSegment | None:
-    return next((s for s in segments if s.words), None)
 
 
 class LongFormJob:
@@ -262,11 +220,11 @@ class LongFormJob:
         the window) as OpenAI's `add_word_timestamps` does, then seek after the last word and, with
         `hallucination_silence_threshold`, skip silence around words that look made up. False when the whole
         window is to be dropped (it began with a likely hallucination after a long silence)."""
-        self._add_words(window, timings)
+        add_words(window.segments, timings, window.offset, self.last_speech, self.tokenizer.eot)
         if not self.seeks_by_words:  # `word_times`: the words are told, the decoding goes on as without them
             return True
         segments, offset = window.segments, window.offset
-        last_end = _end(segments)
+        last_end = last_end_of(segments)
         if not window.single_ending and last_end is not None and last_end > offset:
             self.seek = round(last_end * FRAMES_PER_SECOND)
         threshold = self.options.hallucination_silence_threshold
@@ -274,8 +232,8 @@ class LongFormJob:
             if not window.single_ending and last_end is not None and last_end > offset:
                 remaining = window.end_time - last_end
                 self.seek = round(last_end * FRAMES_PER_SECOND) if remaining > threshold else window.seek + window.size
-            first = _with_words(segments)
-            if first is not None and _is_anomaly(first):
+            first = with_words(segments)
+            if first is not None and is_anomaly(first):
                 gap = first.start - offset
                 if gap > threshold:
                     self.seek = window.seek + round(gap * FRAMES_PER_SECOND)
@@ -285,8 +243,8 @@ class LongFormJob:
             for i, segment in enumerate(segments):
                 if not segment.words:
                     continue
-                if _is_anomaly(segment):
-                    following = _with_words(segments[i + 1 :])
+                if is_anomaly(segment):
+                    following = with_words(segments[i + 1 :])
                     next_start = following.words[0].start if following is not None else offset + window.size / 100
                     silence_before = (
                         segment.start - previous_end > threshold
@@ -295,7 +253,7 @@ class LongFormJob:
                     )
                     silence_after = (
                         next_start - segment.end > threshold
-                        or _is_anomaly(following)
+                        or is_anomaly(following)
                         or window.end_time - segment.end < 2.0
                     )
                     if silence_before and silence_after:
@@ -305,68 +263,10 @@ class LongFormJob:
                         del segments[i:]
                         break
                 previous_end = segment.end
-        last_end = _end(segments)
+        last_end = last_end_of(segments)
         if last_end is not None:
             self.last_speech = last_end
         return True
-
-    def _add_words(self, window: Window, timings: list[WordTiming]) -> None:
-        """OpenAI's `add_word_timestamps`: cap words at sentence ends, merge punctuation, give each segment its
-        words (times rounded to 10 ms), and let words and segment bounds correct each other."""
-        segments = window.segments
-        if not segments:
-            return
-        durations = np.array([t.end - t.start for t in timings])
-        durations = durations[durations.nonzero()]
-        median = min(0.7, float(np.median(durations))) if len(durations) else 0.0
-        longest = median * 2
-        if len(durations):
-            for i in range(1, len(timings)):
-                if timings[i].end - timings[i].start > longest:
-                    if timings[i].word in SENTENCE_ENDS:
-                        timings[i].end = timings[i].start + longest
-                    elif timings[i - 1].word in SENTENCE_ENDS:
-                        timings[i].start = timings[i].end - longest
-        merge_punctuation(timings)
-        offset = window.offset
-        last_speech = self.last_speech
-        index = 0
-        eot = self.tokenizer.eot
-        for segment in segments:
-            n = len([t for t in segment.tokens if t < eot])
-            saved = 0
-            words: list[WordTiming] = []  # in seconds of the audio, edited below
-            while index < len(timings) and saved < n:
-                t = timings[index]
-                if t.word:
-                    words.append(
-                        WordTiming(
-                            t.word, t.tokens, round(offset + t.start, 2), round(offset + t.end, 2), t.probability
-                        )
-                    )
-                saved += len(t.tokens)
-                index += 1
-            if words:
-                first, last = words[0], words[-1]
-                # the first and second words after a pause may not be longer than twice the median
-                if first.end - last_speech > median * 4 and (
-                    first.end - first.start > longest or (len(words) > 1 and words[1].end - first.start > longest * 2)
-                ):
-                    if len(words) > 1 and words[1].end - words[1].start > longest:
-                        boundary = max(words[1].end / 2, words[1].end - longest)
-                        first.end = words[1].start = boundary
-                    first.start = max(0, first.end - longest)
-                # the segment's own start and end win over a first or last word that is too long
-                if segment.start < first.end and segment.start - 0.5 > first.start:
-                    first.start = max(0, min(first.end - median, segment.start))
-                else:
-                    segment.start = first.start
-                if segment.end > last.start and segment.end + 0.5 < last.end:
-                    last.end = max(last.start + median, segment.end)
-                else:
-                    segment.end = last.end
-                last_speech = segment.end
-            segment.words = [Word(w.word, w.start, w.end, round(w.probability, 4), tuple(w.tokens)) for w in words]
 
     def commit(self, window: Window) -> int:
         """Keep the window's segments (those with text and length), extend the text the next window is

@@ -109,6 +109,7 @@ def load_model(
     # Torch's default GEMM streamed the decoder's 1..k-row products, above all the 100 MB vocabulary
     # projection, at a fraction of the memory bandwidth (docs/history/performance-log.md).
     pack_linears(decoder)
+    decoder.compact_table()
     if encoder is not None:
         pack_linears(encoder)
     tokenizer_file = checkpoint_file(path, "tokenizer.json")

@@ -171,7 +171,7 @@ class RequestRules:
             )
             if value
         ]
-        sent += list(req.speaker_bounds)  # fmt: skip
+        sent += list(req.speaker_bounds)
         if sent and not req.diarized:
             raise errors.bad_request(
                 f"{sent[0]} needs response_format diarized_json (or verbose_json with diarize=true)", param=sent[0]
