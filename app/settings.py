@@ -97,6 +97,13 @@ class Settings(BaseSettings):
         description="most decoding rows of a batch: a greedy request takes 1, a beam-5 request 5 (a request wider"
         " than this runs alone)",
     )
+    worker_memory_mb: float | None = Field(
+        None,
+        gt=0,
+        description="the worker process's memory budget in MB: it measures its own size and a clip's cost in its"
+        " warm-up, and batches hold no more clips than fit (it refuses to start where not even one fits); unset: no"
+        " budget, batches of up to max_batch",
+    )
     speculation: Literal["adaptive", "always", "never"] = Field(
         "adaptive", description="per batch: measured choice, always speculative, or always plain greedy"
     )

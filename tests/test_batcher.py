@@ -286,3 +286,19 @@ def test_a_partial_waits_for_a_gathering_batch_of_long_uploads() -> None:
         return [*batches, first]
 
     assert asyncio.run(run()) == [["a"], ["partial"], ["short"]]
+
+
+def test_the_memory_budget_caps_every_batch() -> None:
+    """The clips a worker's memory budget allows cap every batch, short uploads' and long uploads' alike."""
+
+    def long(name: str) -> Job:
+        return Job(name, np.zeros(1600, np.float32), DecodingOptions(), background=True)
+
+    async def run() -> list[list[str]]:
+        batcher = Batcher(AlwaysReady(), ServerMetrics(), max_batch=4, window_s=0.0, queue_size=16, max_background=2)  # type: ignore[arg-type]
+        batcher.memory_cap = 1
+        for job in (long("a"), long("b"), _job("s1"), _job("s2"), _job("s3")):
+            batcher.submit(job, Lane.UPLOAD)
+        return [[p.job.request_id for p in await batcher._collect()] for _ in range(5)]
+
+    assert asyncio.run(run()) == [["s1"], ["s2"], ["s3"], ["a"], ["b"]]

@@ -32,6 +32,8 @@ def test_config_is_valid_and_sizes_the_replicas_from_the_settings() -> None:
     scaling = engine._deployment_config.autoscaling_config
     # batches stay at 1..max_batch: a replica with more ongoing jobs than that calls for another
     assert scaling.target_ongoing_requests == settings.max_batch
+    assert settings.worker_memory_mb is not None  # Ray places a replica only where its worker's budget fits
+    assert engine.ray_actor_options["memory"] == settings.worker_memory_mb * 2**20
     assert (scaling.min_replicas, scaling.max_replicas) == (app.args["min_replicas"], app.args["max_replicas"])
     config_of = engine._deployment_config
     assert config_of.max_ongoing_requests == settings.queue_size  # beyond it the replica's own 429

@@ -87,6 +87,24 @@ class ServerMetrics:
         self.realtime_errors = Counter(
             "specwhisper_realtime_errors", "error events sent to realtime clients", ["code"], registry=r
         )
+        self.worker_memory = Gauge(
+            "specwhisper_worker_resident_memory_bytes", "the worker process's resident set (local worker)", registry=r
+        )
+        self.worker_batch_peak = Gauge(
+            "specwhisper_worker_batch_peak_memory_bytes",
+            "the worker's highest resident peak over a batch since it started",
+            registry=r,
+        )
+        self.worker_memory_budget = Gauge(
+            "specwhisper_worker_memory_budget_bytes",
+            "the worker's memory budget (SPECWHISPER_WORKER_MEMORY_MB)",
+            registry=r,
+        )
+        self.batch_clips_limit = Gauge(
+            "specwhisper_batch_clips_limit",
+            "most clips a batch holds now (max_batch, or what the memory budget allows)",
+            registry=r,
+        )
         self.model_load_seconds = Gauge("specwhisper_model_load_seconds", "model load time of the worker", registry=r)
         self.engine = Info(
             "specwhisper_engine", "what the worker runs: models, device, threads, dtypes, kernels", registry=r

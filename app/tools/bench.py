@@ -29,6 +29,7 @@ from app.api.types import DecodingOptions, Transcription
 from app.engine.drafting.assistants import NO_ASSISTANT
 from app.engine.engine import Engine
 from app.model.cpu import cpu_name
+from app.server.memory import ProcessMemory, reset_peak
 from app.settings import Settings
 from app.tools.comparisons import ClipRunner, FasterWhisper, HFGenerate, RunResult
 from app.tools.manifest import ManifestClip, read_manifest, select
@@ -73,18 +74,8 @@ class ClipRun:
 def _peak_rss_mb() -> float:
     """This process's peak resident set (MB). VmHWM, unlike ru_maxrss, is not inherited across exec,
     so a spawned child reports its own peak."""
-    peak = _status_mb("VmHWM")
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if peak is None else peak
-
-
-def _status_mb(field: str) -> float | None:
-    """A memory field of /proc/self/status in MB (None where there is no such file)."""
-    status = Path("/proc/self/status")
-    if status.is_file():
-        for line in status.read_text().splitlines():
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) / 1024
-    return None
+    here = ProcessMemory.of()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if here is None else here.peak_mb
 
 
 def error_rate(pairs: Sequence[tuple[str, str, str]]) -> float:
@@ -307,15 +298,6 @@ def references_in_child(
         return pool.apply(_references, (settings, kind, entries, beams))
 
 
-def _reset_peak_rss() -> bool:
-    """Start this process's peak RSS afresh from its current RSS (Linux); False where it cannot."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return True
-
-
 def _mode_peak_rss(
     settings: Settings, paths: list[Path], languages: list[str], batch: int
 ) -> tuple[float, float, float]:
@@ -330,9 +312,10 @@ def _mode_peak_rss(
     from app.engine.build import build_engine
 
     engine = build_engine(settings, progress=False)
-    loaded = _status_mb("VmRSS") or float("nan")
+    here = ProcessMemory.of()
+    loaded = here.rss_mb if here is not None else float("nan")
     load_peak = _peak_rss_mb()
-    separate = _reset_peak_rss()
+    separate = reset_peak()
     use = settings.assistant != NO_ASSISTANT
     clips = [load_audio(p) for p in paths]
     for clip, language in zip(clips, languages, strict=True):

@@ -24,9 +24,11 @@ import numpy as np
 import soundfile as sf
 from tqdm import tqdm
 
+from app.server.memory import ProcessMemory
 from app.tools import conversations
 from app.tools.manifest import read_manifest
 from app.tools.process import ServerProcess
+from app.tools.scrape import sample_value, scrape_metrics
 
 SR = 16000
 COLLARS = {"none": 0.0, "0.25 s": 0.5}  # pyannote's collar is the whole width: 0.5 is ±0.25 s
@@ -38,13 +40,15 @@ def _wav(audio: np.ndarray) -> bytes:
     return out.getvalue()
 
 
-def _status_mb(pid: int, field: str) -> float:
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return float("nan")
-    line = next((row for row in text.splitlines() if row.startswith(field + ":")), None)
-    return int(line.split()[1]) / 1024 if line else float("nan")
+def _rss_mb(pid: int) -> float:
+    here = ProcessMemory.of(pid)
+    return here.rss_mb if here is not None else float("nan")
+
+
+def _worker_peak_mb(url: str) -> float:
+    """The worker's highest peak over a batch since it started (its own VmHWM starts afresh at each batch)."""
+    peak = sample_value(scrape_metrics(url), "specwhisper_worker_batch_peak_memory_bytes")
+    return peak / 2**20 if peak else float("nan")
 
 
 def _post(url: str, audio: bytes, **fields: Any) -> tuple[dict[str, Any], float]:
@@ -117,11 +121,10 @@ def run_diarization_bench(manifest: Path, seconds: float = 120.0, long_minutes: 
         steps = tqdm(total=len(talks) * 3 + 2, desc="diarization", unit="upload")
         # The long conversation first: the worker's peak and the web process's memory before any diarization
         # (the clustering's scipy is imported on the first diarized request) against after one.
-        worker = int(httpx.get(f"{server.url}/health/ready", timeout=30).json()["worker_pid"])
         audio = _wav(long.audio)
         plain, plain_s = _post(server.url, audio, response_format="json", chunking_strategy="auto")
         steps.update()
-        worker_peak, web_before = _status_mb(worker, "VmHWM"), _status_mb(web, "VmRSS")
+        worker_peak, web_before = _worker_peak_mb(server.url), _rss_mb(web)
         diarized, diarized_s = _post(server.url, audio, response_format="diarized_json")
         steps.update()
         report["long"] = {
@@ -129,8 +132,8 @@ def run_diarization_bench(manifest: Path, seconds: float = 120.0, long_minutes: 
             "json_s": round(plain_s, 2),
             "diarized_json_s": round(diarized_s, 2),
             "time_added": round(diarized_s / plain_s - 1, 4),
-            "worker_peak_mb": {"json": round(worker_peak, 1), "diarized": round(_status_mb(worker, "VmHWM"), 1)},
-            "web_rss_mb": {"json": round(web_before, 1), "diarized": round(_status_mb(web, "VmRSS"), 1)},
+            "worker_peak_mb": {"json": round(worker_peak, 1), "diarized": round(_worker_peak_mb(server.url), 1)},
+            "web_rss_mb": {"json": round(web_before, 1), "diarized": round(_rss_mb(web), 1)},
             "der": der(long, diarized["segments"]),
             "text_unchanged": diarized["text"] == plain["text"],
         }

@@ -77,6 +77,19 @@ def _running_replicas() -> int:
     return sum(count for state, count in status.replica_states.items() if state == "RUNNING")
 
 
+def _replica_options(options: ClusterOptions, settings: Settings) -> dict[str, Any]:
+    """An engine replica's Ray resources; with a worker memory budget, Ray reserves that memory for it, so that it
+    places replicas only where their workers fit."""
+    out: dict[str, Any] = {
+        "num_cpus": options.replica_cpus,
+        "num_gpus": options.replica_gpus,
+        "resources": options.replica_resources,
+    }
+    if settings.worker_memory_mb is not None:
+        out["memory"] = round(settings.worker_memory_mb * 2**20)
+    return out
+
+
 def build(args: dict[str, Any] | None = None) -> Application:
     """The application (Serve's builder: `serve run app.server.cluster.application:build key=value`)."""
     options = ClusterOptions(**(args or {}))
@@ -84,11 +97,7 @@ def build(args: dict[str, Any] | None = None) -> Application:
     graceful = settings.shutdown_timeout_s + 5
     engine = serve.deployment(
         name=ENGINE,
-        ray_actor_options={
-            "num_cpus": options.replica_cpus,
-            "num_gpus": options.replica_gpus,
-            "resources": options.replica_resources,
-        },
+        ray_actor_options=_replica_options(options, settings),
         # Serve sends a replica at most this many jobs; its own queue answers 429 beyond queue_size.
         max_ongoing_requests=settings.queue_size,
         max_queued_requests=settings.queue_size * max(1, options.max_replicas),

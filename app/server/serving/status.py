@@ -6,9 +6,10 @@ from typing import Any
 
 from prometheus_client import generate_latest
 
+from app.server.memory import ProcessMemory
 from app.server.metrics import Samples, ServerMetrics, samples_by_name
 from app.server.serving.service import TranscriptionService
-from app.server.worker.client import EngineClient
+from app.server.worker.client import EngineClient, EngineHealth
 
 
 class ServerStatus:
@@ -33,6 +34,7 @@ class ServerStatus:
             "worker_restarts": health.restarts,
             "worker_pid": health.pid,
         }
+        body["memory"] = self._memory(health)
         if health.replicas is not None:
             body["replicas"] = health.replicas
         if health.failure is not None:
@@ -41,9 +43,31 @@ class ServerStatus:
             body["vad"] = "loading"
         return body, is_ready
 
+    @staticmethod
+    def _memory(health: EngineHealth) -> dict[str, Any]:
+        """The processes' resident sets in MB (the worker's where it runs on this machine), and its budget."""
+        web = ProcessMemory.of()
+        worker = ProcessMemory.of(health.pid) if health.pid is not None else None
+        out: dict[str, Any] = {
+            "web_mb": round(web.rss_mb, 1) if web is not None else None,
+            "worker_mb": round(worker.rss_mb, 1) if worker is not None else None,
+        }
+        if health.memory is not None:
+            plan = health.memory
+            out |= {
+                "worker_budget_mb": plan.budget_mb,
+                "worker_idle_mb": round(plan.idle_mb, 1),
+                "clip_mb": round(plan.clip_mb, 1),
+                "batch_limit": plan.batch,
+            }
+        return out
+
     def exposition(self) -> bytes:
         """The Prometheus text exposition, with the queue and worker gauges read now."""
         m, health = self.metrics, self.engine.health()
+        worker = ProcessMemory.of(health.pid) if health.pid is not None else None
+        if worker is not None:
+            m.worker_memory.set(worker.rss)
         m.queue_depth.set(self.engine.depth)
         m.upload_steps_waiting.set(self.service.share.waiting)
         m.worker_up.set(1 if health.is_ready else 0)

@@ -16,6 +16,9 @@ that arrives while it runs preempts it the same way, but a preempted job is queu
 head of its lane (not refused), runs again from its start, and is not preempted a second time;
 a resumed job (its earlier windows kept in the worker) or a streamed one (it would send its
 segments twice) is never stopped.
+
+With a worker memory budget (`app.server.worker.budget`), no batch holds more clips than the budget allows
+(`memory_cap`), whatever its lane.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class Batcher:
         # decoding rows a batch may take (a beam-5 request takes 5); a request wider than this runs alone
         self.max_rows = max_rows if max_rows is not None else max_batch
         self.max_background = max_background if max_background is not None else max_batch  # jobs of long uploads
+        self.memory_cap: int | None = None  # clips a batch may hold within the worker's memory budget (None: no budget)
         self.window_s = window_s
         self.queue_size = queue_size
         self.partial_max_wait_s = partial_max_wait_s
@@ -188,6 +192,8 @@ class Batcher:
         rows = first.job.options.rows
         deadline = time.perf_counter() + self.window_s
         most = self.max_background if first.job.background else self.max_batch
+        if self.memory_cap is not None:
+            most = min(most, self.memory_cap)
         while len(batch) < most and rows < self.max_rows:
             apart = self._apart(batch)
             if self.lanes[Lane.LIVE_FINAL] and apart is Lane.LIVE_FINAL:

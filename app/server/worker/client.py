@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from app.api.types import Segment
+from app.server.worker.budget import MemoryPlan
 from app.server.worker.protocol import Job, JobResult, Ready
 
 
@@ -103,6 +104,7 @@ class EngineHealth:
     pid: int | None = None  # the worker process (None on a cluster: each replica has its own)
     failure: str | None = None  # why the models cannot be loaded, when that is final
     replicas: int | None = None  # engine replicas running (None: one local worker)
+    memory: MemoryPlan | None = None  # the worker's memory budget and the batch it holds now (None: no budget)
 
 
 class EngineClient(Protocol):

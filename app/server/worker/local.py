@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from app.api.audio import SAMPLE_RATE
+from app.server.memory import MB
 from app.server.metrics import ServerMetrics
 from app.server.worker.batcher import Batcher
+from app.server.worker.budget import MemoryPlan
 from app.server.worker.client import EngineHealth, Lane, Pending
 from app.server.worker.protocol import BatchResult, Job, Ready
 from app.server.worker.supervisor import WorkerSupervisor
@@ -47,8 +49,13 @@ class LocalWorker:
             max_rows=max(settings.max_batch_rows, settings.max_batch),
             max_background=settings.long_upload_batch,
         )
+        self.memory: MemoryPlan | None = None
+        self.batch_peak_mb = 0.0  # the worker's highest resident peak over a batch since it started
+        self.metrics.batch_clips_limit.set(settings.max_batch)
 
     def _on_ready(self, ready: Ready) -> None:
+        self._plan(ready.memory)  # a restarted worker measures afresh
+        self.batch_peak_mb = 0.0
         m = self.metrics
         m.worker_up.set(1)
         m.model_load_seconds.set(ready.load_seconds)
@@ -57,6 +64,19 @@ class LocalWorker:
 
     def _on_batch(self, result: BatchResult) -> None:
         self.metrics.observe_batch(result.mode, result.costs())
+        if result.peak_mb is not None:
+            self.batch_peak_mb = max(self.batch_peak_mb, result.peak_mb)
+            self.metrics.worker_batch_peak.set(self.batch_peak_mb * MB)
+            if self.memory is not None:
+                self._plan(self.memory.after_batch(len(result.results), result.peak_mb))
+
+    def _plan(self, plan: MemoryPlan | None) -> None:
+        """The worker's memory plan now: the batcher holds batches to the clips it allows."""
+        self.memory = plan
+        self.batcher.memory_cap = None if plan is None else plan.batch
+        if plan is not None:
+            self.metrics.worker_memory_budget.set(plan.budget_mb * MB)
+            self.metrics.batch_clips_limit.set(plan.batch)
 
     @property
     def depth(self) -> int:
@@ -68,7 +88,7 @@ class LocalWorker:
 
     def health(self) -> EngineHealth:
         s = self.supervisor
-        return EngineHealth(s.ready, s.is_ready, s.restarts, s.pid, s.failure)
+        return EngineHealth(s.ready, s.is_ready, s.restarts, s.pid, s.failure, memory=self.memory)
 
     def retry_after(self) -> int:
         return self.batcher.retry_after()

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 from app.api.audio import SAMPLE_RATE, AudioError
 from app.api.types import InvalidRequestError, Metrics, Segment, Transcription, Voice
 from app.engine.heap import heap_trimmer
+from app.server.memory import ProcessMemory, reset_peak
+from app.server.worker.budget import MemoryBudgetError, warm_up_within
 from app.server.worker.policy import BatchCost, Mode, ModePolicy
 from app.server.worker.protocol import (
     BatchRequest,
@@ -296,10 +298,15 @@ def worker_main(settings: Settings, conn: Connection) -> None:
     disable_progress_bars()  # hub downloads: this process's output is the server's log
     try:
         engine = build_engine(settings, progress=False)
-        warmed = engine.warm_up({1, settings.max_batch})
+        trim = heap_trimmer() if settings.worker_heap_trim else None
+        plan = None
+        if settings.worker_memory_mb is None:
+            warmed = engine.warm_up({1, settings.max_batch})
+        else:
+            warmed, plan = warm_up_within(engine, settings.worker_memory_mb, settings.max_batch, heap_trimmer())
         described = engine.describe()
     except Exception as exc:
-        permanent = is_settings_error(exc)
+        permanent = is_settings_error(exc) or isinstance(exc, MemoryBudgetError)
         if permanent:
             error = str(exc)  # the supervisor logs it
         else:
@@ -308,7 +315,6 @@ def worker_main(settings: Settings, conn: Connection) -> None:
         with contextlib.suppress(OSError):  # the web process may be gone
             conn.send(LoadFailed(error, permanent))
         sys.exit(1)
-    trim = heap_trimmer() if settings.worker_heap_trim else None
     inbox = Inbox(conn)
     policy = ModePolicy(settings.speculation, warmed=warmed)
     runner = BatchRunner(
@@ -320,7 +326,7 @@ def worker_main(settings: Settings, conn: Connection) -> None:
         forgotten=inbox.forgotten,
         make_embedder=lambda: load_embedder(settings.speaker_embedder),
     )
-    conn.send(Ready(time.perf_counter() - started, described))
+    conn.send(Ready(time.perf_counter() - started, described, plan))
     while True:
         try:
             batch = inbox.next(timeout=IDLE_BEFORE_TRIM_S if trim is not None else None)
@@ -331,4 +337,7 @@ def worker_main(settings: Settings, conn: Connection) -> None:
             batch = inbox.next()
         if batch is None:
             return
-        conn.send(runner.run(batch))
+        measured = reset_peak()
+        result = runner.run(batch)
+        memory = ProcessMemory.of() if measured else None
+        conn.send(result if memory is None else dataclasses.replace(result, peak_mb=memory.peak_mb))

@@ -8,6 +8,7 @@ import numpy as np
 
 from app.api.audio import EncodedAudio
 from app.api.types import DecodingOptions, Segment, Transcription
+from app.server.worker.budget import MemoryPlan
 from app.server.worker.policy import Estimate, Mode
 
 
@@ -85,6 +86,7 @@ class BatchResult:
     results: list[JobResult]
     mode: Mode | None = None  # how the worker decoded it (None: no valid row)
     estimates: list[Estimate] = field(default_factory=list)  # the adaptive policy's, after this batch
+    peak_mb: float | None = None  # the worker's resident peak over this batch (None: not measured)
 
     def costs(self) -> dict[tuple[str, int], float]:
         """The measured estimates: ms per plain pass by (mode, batch size)."""
@@ -93,10 +95,12 @@ class BatchResult:
 
 @dataclass(frozen=True)
 class Ready:
-    """The worker loaded its models and warmed up; `engine` is `Engine.describe()`."""
+    """The worker loaded its models and warmed up; `engine` is `Engine.describe()`; `memory`: its budget's plan, where
+    one is set."""
 
     load_seconds: float
     engine: dict[str, str | int | bool | None]
+    memory: MemoryPlan | None = None
 
     @property
     def model(self) -> str:

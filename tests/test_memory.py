@@ -1,0 +1,50 @@
+"""The worker's memory budget, as arithmetic (`MemoryPlan`), and a process's memory as Linux reports it."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from app.server.memory import ProcessMemory, reset_peak
+from app.server.worker.budget import CLIP_MARGIN, MemoryBudgetError, MemoryPlan
+
+
+def test_a_plan_holds_batches_to_what_fits() -> None:
+    """A clip is taken to cost its measured cost and a 10% margin (`CLIP_MARGIN`): 110 MB here."""
+    assert CLIP_MARGIN == 1.1
+    assert MemoryPlan.within(1000, 700, 100, most=4).batch == 2  # 700 + 2 x 110 = 920 <= 1000 < 1030
+    assert MemoryPlan.within(1030, 700, 100, most=4).batch == 3
+    assert MemoryPlan.within(5000, 700, 100, most=4).batch == 4  # never past max_batch
+    assert MemoryPlan.within(810, 700, 100, most=4).batch == 1
+    with pytest.raises(MemoryBudgetError, match=r"SPECWHISPER_WORKER_MEMORY_MB=809 is less than .* 700 MB .* 110 MB"):
+        MemoryPlan.within(809, 700, 100, most=4)
+
+
+def test_a_batch_over_the_budget_lowers_the_cap_for_good() -> None:
+    plan = MemoryPlan.within(1000, 700, 100, most=4)
+    assert plan.after_batch(2, 990) is plan  # within
+    lowered = plan.after_batch(2, 1010)
+    assert lowered.batch == 1
+    assert lowered.after_batch(1, 1200).batch == 1  # one clip a batch is the least there is
+    assert plan.after_batch(1, 1010) is plan  # a batch of one over the budget: nothing smaller to go to
+
+
+def test_process_memory_follows_what_the_process_touches() -> None:
+    here = ProcessMemory.of()
+    assert here is not None and 0 < here.rss <= here.peak
+    assert ProcessMemory.of(os.getpid()) is not None
+    assert ProcessMemory.of(2**22 + 12345) is None  # no such process (pid_max is at most 2**22)
+    if not reset_peak():
+        pytest.skip("this kernel cannot reset a process's peak")
+    before = ProcessMemory.of()
+    assert before is not None and before.peak - before.rss < 4 << 20  # the peak starts afresh from the RSS
+    block = np.ones(64 << 20, np.uint8)  # 64 MB, touched
+    during = ProcessMemory.of()
+    del block
+    after = ProcessMemory.of()
+    assert during is not None and after is not None
+    assert during.rss - before.rss >= 60 << 20
+    assert after.peak >= during.rss - (1 << 20)  # Linux counts the peak in batches of pages
+    assert after.rss < during.rss - (60 << 20)
