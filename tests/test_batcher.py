@@ -202,17 +202,18 @@ class StoppingWorker(HeldWorker):
         return results
 
 
-def test_a_short_upload_preempts_long_uploads_once() -> None:
+def test_a_short_upload_preempts_long_uploads_once_where_it_cannot_run_inside() -> None:
     """Long uploads' jobs (`background`) run apart from short ones. A short upload that arrives while a batch of them
-    runs has it stopped in the worker; it runs alone, then the stopped jobs run again, first in their lane, and are
-    not stopped a second time: the next short upload waits for them. A long upload's resumed job is never stopped."""
+    runs, and finds no room inside it (two of a `max_batch` of two), has it stopped in the worker; it runs alone, then
+    the stopped jobs run again, first in their lane, and are not stopped a second time: the next short upload waits
+    for them. A long upload's resumed job is never stopped."""
 
     def long(name: str, **fields: Any) -> Job:
         return Job(name, np.zeros(1600, np.float32), DecodingOptions(), background=True, **fields)
 
     async def run() -> None:
         worker, metrics = StoppingWorker(), ServerMetrics()
-        batcher = Batcher(worker, metrics, max_batch=4, window_s=0.0, queue_size=16)  # type: ignore[arg-type]
+        batcher = Batcher(worker, metrics, max_batch=2, window_s=0.0, queue_size=16)  # type: ignore[arg-type]
         batcher.submit(long("a-0"), Lane.UPLOAD)
         batcher.submit(long("b-0", turn=0), Lane.UPLOAD)
         batcher.start()
@@ -302,3 +303,71 @@ def test_the_memory_budget_caps_every_batch() -> None:
         return [[p.job.request_id for p in await batcher._collect()] for _ in range(5)]
 
     assert asyncio.run(run()) == [["s1"], ["s2"], ["s3"], ["a"], ["b"]]
+
+
+class NestingWorker:
+    """The worker supervisor as the batcher uses it, with batches in flight at once (as the worker runs one inside
+    another): each runs until the test releases it by its first job's id."""
+
+    def __init__(self) -> None:
+        self.ran: list[list[str]] = []
+        self.cancelled: list[str] = []
+        self.releases: dict[str, asyncio.Event] = {}
+
+    def check_ready(self) -> None:
+        return None
+
+    def release(self, first: str) -> None:
+        self.releases[first].set()
+
+    async def run(self, jobs: list[Job], on_progress: Any = None) -> list[JobResult]:
+        self.ran.append([job.request_id for job in jobs])
+        event = self.releases.setdefault(jobs[0].request_id, asyncio.Event())
+        await event.wait()
+        return [JobResult(job.request_id, error="not decoded here") for job in jobs]
+
+    async def cancel(self, request_id: str, *, keep: bool = False) -> None:
+        self.cancelled.append(request_id)
+
+
+def test_short_jobs_run_inside_a_batch_of_long_uploads() -> None:
+    """A short upload that arrives while a batch of two long uploads' jobs runs is sent to the worker at once, to run
+    inside it: nothing is stopped, and it is answered while the long batch still runs. A final and another short
+    upload that come meanwhile go next, together (the room the long batch leaves of four), inside it still; a long
+    job or a partial never goes inside. Once the long batch ends, the batcher goes on as before."""
+
+    def long(name: str) -> Job:
+        return Job(name, np.zeros(1600, np.float32), DecodingOptions(), background=True)
+
+    async def run() -> None:
+        worker, metrics = NestingWorker(), ServerMetrics()
+        batcher = Batcher(worker, metrics, max_batch=4, window_s=0.0, queue_size=16)  # type: ignore[arg-type]
+        batcher.submit(long("a"), Lane.UPLOAD)
+        batcher.submit(long("b"), Lane.UPLOAD)
+        batcher.start()
+        await _until(lambda: worker.ran == [["a", "b"]])
+        batcher.submit(long("c"), Lane.UPLOAD)
+        partial = batcher.submit(_job("p"), Lane.LIVE_PARTIAL)
+        short = batcher.submit(_job("s1"), Lane.UPLOAD)
+        await _until(lambda: len(worker.ran) == 2)
+        assert worker.ran[1] == ["s1"]  # sent at once, inside the long batch
+        short2 = batcher.submit(_job("s2"), Lane.UPLOAD)
+        final = batcher.submit(_job("f"), Lane.LIVE_FINAL)
+        worker.release("s1")
+        await _until(lambda: short.future.done() and len(worker.ran) == 3)
+        assert worker.ran[2] == ["f", "s2"]  # the next inner batch: the final first, the second short upload with it
+        worker.release("f")
+        await _until(lambda: final.future.done() and short2.future.done())
+        assert worker.cancelled == [] and metrics.background_preempted._value.get() == 0
+        assert metrics.inner_batches._value.get() == 2 and batcher.inflight == 2
+        assert not partial.future.done() and len(worker.ran) == 3  # a partial waits for the long batch; so does c
+        worker.release("a")
+        await _until(lambda: len(worker.ran) == 4)
+        assert worker.ran[3] == ["c"]
+        worker.release("c")
+        await _until(lambda: len(worker.ran) == 5)
+        assert worker.ran[4] == ["p"]
+        worker.release("p")
+        await batcher.drain(1.0)
+
+    asyncio.run(run())

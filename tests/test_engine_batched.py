@@ -268,3 +268,41 @@ def test_a_suspended_job_a_new_worker_does_not_hold_starts_again(
         else:
             assert result.error is None and result.transcription is not None
             assert result.transcription.tokens == alone.tokens
+
+
+def test_a_batch_that_comes_runs_inside_a_batch_of_long_uploads(
+    base: WhisperModel, clip: Callable, drafters: dict
+) -> None:
+    """The worker's batch runner, running a batch of long uploads' jobs, takes a batch that came meanwhile at a
+    heartbeat and runs it there, answering it before the long batch ends; both give the tokens they give alone. A
+    batch of other jobs takes none."""
+    from app.server.worker.policy import ModePolicy
+    from app.server.worker.process import BatchRunner
+    from app.server.worker.protocol import BatchRequest, BatchResult, Job
+
+    engine = Engine(base, drafters["self-draft"])
+    long_audio, short_audio = clip("fleurs/fleurs-de-009"), clip("ljspeech/LJ001-0002")
+    alone = engine.transcribe(
+        [long_audio, short_audio], [DecodingOptions(language="de"), DecodingOptions(language="en")]
+    )
+    inner = BatchRequest(2, [Job("short", short_audio, DecodingOptions(language="en"))])
+    sent: list[object] = []
+    asked: list[int] = []
+
+    def waiting() -> BatchRequest | None:
+        asked.append(len(sent))
+        return inner if len(asked) == 3 else None
+
+    runner = BatchRunner(engine, ModePolicy(), send=sent.append, waiting=waiting)
+    outer = runner.run(BatchRequest(1, [Job("long", long_audio, DecodingOptions(language="de"), background=True)]))
+    answers = [m for m in sent if isinstance(m, BatchResult)]
+    assert [a.batch_id for a in answers] == [2]  # sent from inside the long batch, before its own answer
+    (short,) = answers[0].results
+    (long,) = outer.results
+    assert short.transcription is not None and short.transcription.tokens == alone[1].tokens
+    assert long.transcription is not None and long.transcription.tokens == alone[0].tokens
+    assert outer.nested_clips == 1 and answers[0].nested_clips == 0 and len(asked) > 3
+
+    asked.clear()
+    runner.run(BatchRequest(3, [Job("short2", short_audio, DecodingOptions(language="en"))]))
+    assert asked == []  # not a batch of long uploads' jobs: nothing runs inside it

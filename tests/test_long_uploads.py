@@ -132,12 +132,12 @@ def test_a_short_upload_joins_the_batches_of_a_long_single_block_one(server: Ser
     assert len(long_answer.json()["text"]) > 1000
 
 
-def test_a_short_upload_stops_a_batch_of_chunks_which_then_run_again_unchanged(
+def test_a_short_upload_runs_inside_a_batch_of_chunks_which_then_goes_on_unchanged(
     server: ServerProcess, benchdata: Path
 ) -> None:
-    """A 3-minute chunked upload runs its first batch of chunks; a short upload sent then has that batch stopped in
-    the worker mid-window and runs first, right; the stopped chunks run again, and the long upload's answer is the
-    same, word for word, as when it ran alone."""
+    """A 3-minute chunked upload runs its first batch of chunks; a short upload sent then runs inside that batch in
+    the worker (at its next encoder layer or decoder pass), right, and nothing is stopped; the long upload's answer is
+    the same, word for word, as when it ran alone."""
     speech, rate = sf.read(benchdata / "audio/fleurs/fleurs-de-009.wav", dtype="int16")
     out = io.BytesIO()
     sf.write(out, np.tile(speech, 4), rate, format="FLAC")
@@ -151,6 +151,7 @@ def test_a_short_upload_stops_a_batch_of_chunks_which_then_run_again_unchanged(
     assert alone.status_code == 200, alone.text
     batches = server_metric(server, "specwhisper_batch_size_count", default=0.0)
     preempted = server_metric(server, "specwhisper_long_upload_jobs_preempted_total", default=0.0)
+    inner = server_metric(server, "specwhisper_inner_batches_total", default=0.0)
 
     async def main() -> tuple[httpx.Response, httpx.Response, bool]:
         async with httpx.AsyncClient(timeout=600) as client:
@@ -162,7 +163,8 @@ def test_a_short_upload_stops_a_batch_of_chunks_which_then_run_again_unchanged(
 
     short_answer, long_answer, _ = asyncio.run(main())
     assert short_answer.status_code == 200 and short_answer.json()["text"] == SHORT_TEXT
-    assert server_metric(server, "specwhisper_long_upload_jobs_preempted_total", default=0.0) > preempted
+    assert server_metric(server, "specwhisper_inner_batches_total", default=0.0) > inner
+    assert server_metric(server, "specwhisper_long_upload_jobs_preempted_total", default=0.0) == preempted
     assert long_answer.status_code == 200, long_answer.text
     assert long_answer.json()["text"] == alone.json()["text"] and len(alone.json()["text"]) > 1000
 

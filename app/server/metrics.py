@@ -131,6 +131,11 @@ class ServerMetrics:
             " (each runs again, and is not stopped twice)",
             registry=r,
         )
+        self.inner_batches = Counter(
+            "specwhisper_inner_batches",
+            "batches of short jobs the worker ran inside a running batch of long uploads' jobs (which then went on)",
+            registry=r,
+        )
         self.asyncio_tasks = Gauge("specwhisper_asyncio_tasks", "asyncio tasks in the web process", registry=r)
         self.asyncio_tasks.set_function(_task_count)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, ... of the web process

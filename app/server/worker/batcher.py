@@ -12,10 +12,14 @@ by their encoding, and a batch holding a final could not be preempted for the ne
 
 The work of long uploads (`Job.background`: a chunk, a window of a single-block upload) is batched
 with its own kind only, and goes after the rest of its lane. A short upload or a finished utterance
-that arrives while it runs preempts it the same way, but a preempted job is queued again at the
-head of its lane (not refused), runs again from its start, and is not preempted a second time;
-a resumed job (its earlier windows kept in the worker) or a streamed one (it would send its
-segments twice) is never stopped.
+that arrives while it runs is sent to the worker at once, with whatever else short is waiting (up to
+the room the running batch leaves of `max_batch`, or of the memory budget's cap): the worker runs it
+inside the running batch, at that batch's next encoder layer or decoder pass, and the long jobs then go
+on where they were (`BatchRunner.waiting`). Where there is no room (a `max_batch` of 1, a tight memory
+budget), it preempts them instead: they are stopped in the worker, queued again at the head of their
+lane (not refused), run again from their start, and are not preempted a second time; a resumed job
+(its earlier windows kept in the worker) or a streamed one (it would send its segments twice) is never
+stopped.
 
 With a worker memory budget (`app.server.worker.budget`), no batch holds more clips than the budget allows
 (`memory_cap`), whatever its lane.
@@ -68,8 +72,9 @@ class Batcher:
         self.partial_max_wait_s = partial_max_wait_s
         self.max_queued_samples = max_queued_samples
         self.lanes: dict[Lane, deque[Pending]] = {lane: deque() for lane in Lane}
-        self.inflight = 0
         self.running: list[Pending] = []  # the batch the worker runs
+        self.inner: list[Pending] = []  # short jobs the worker runs inside `running` (a batch of long uploads' jobs)
+        self._nesting: asyncio.Future[None] | None = None  # sends the inner batches while `running` runs
         self.batch_seconds = 1.0  # moving average of a batch's run time: what a 429's Retry-After is based on
         self._arrived = asyncio.Event()
         self._closed = False
@@ -83,6 +88,11 @@ class Batcher:
         """Seconds until the queue has likely moved on by one batch beyond its current depth (1..60)."""
         batches = self.depth / max(1, self.max_batch) + 1
         return max(1, min(60, math.ceil(batches * self.batch_seconds)))
+
+    @property
+    def inflight(self) -> int:
+        """Jobs the worker runs now."""
+        return len(self.running) + len(self.inner)
 
     @property
     def depth(self) -> int:
@@ -126,14 +136,56 @@ class Batcher:
                 self._send_cancel(p.job.request_id)
 
     def _preempt_background(self) -> None:
-        """A short job is waiting: a running batch of long uploads' jobs that may all be stopped makes room for it
-        (they queue again when the worker answers)."""
-        if not self.running or not all(p.preemptible and not p.future.done() for p in self.running):
+        """A short job is waiting while a batch of long uploads' jobs runs: it runs inside that batch where the worker
+        has room for it (`_nest`); else the batch is stopped, if all its jobs may be (they queue again when the worker
+        answers)."""
+        if not self.running or not all(p.job.background for p in self.running):
+            return
+        if self._room_inside() > 0:
+            if self._nesting is None or self._nesting.done():
+                self._nesting = asyncio.ensure_future(self._nest())
+            return
+        if not all(p.preemptible and not p.future.done() for p in self.running):
             return
         for p in self.running:
             p.preempted = True
             self.metrics.background_preempted.inc()
             self._send_cancel(p.job.request_id, keep=True)
+
+    def _room_inside(self) -> int:
+        """Clips a batch run inside the running one may hold: what the running one leaves of a batch's most."""
+        most = self.max_batch if self.memory_cap is None else min(self.max_batch, self.memory_cap)
+        return most - len(self.running)
+
+    async def _nest(self) -> None:
+        """While a batch of long uploads' jobs runs, send the short jobs waiting, a batch at a time, to run in it."""
+        while self.running and all(p.job.background for p in self.running) and not self._closed:
+            batch = self._take_short(self._room_inside())
+            if not batch:
+                return
+            self.metrics.inner_batches.inc()
+            self.inner = batch
+            try:
+                await self._dispatch(batch)
+            finally:
+                self.inner = []
+
+    def _take_short(self, room: int) -> list[Pending]:
+        """Up to `room` waiting jobs that are not long uploads' (finals, then uploads; no partials), by lane order."""
+        batch: list[Pending] = []
+        rows = 0
+        while len(batch) < room:
+            item = self._take(Lane.LIVE_PARTIAL)
+            if item is None:
+                break
+            if item.job.background or (batch and rows + item.job.options.rows > self.max_rows):
+                self.lanes[item.lane].appendleft(item)
+                break
+            if not item.future.done():
+                batch.append(item)
+                rows += item.job.options.rows
+        self.metrics.queue_depth.set(self.depth)
+        return batch
 
     def _send_cancel(self, request_id: str, *, keep: bool = False) -> None:
         task = asyncio.ensure_future(self.worker.cancel(request_id, keep=keep))
@@ -263,44 +315,52 @@ class Batcher:
             self.metrics.queue_dropped.inc(len(collected) - len(batch))
             if not batch:
                 continue
-            now = time.perf_counter()
-            for p in batch:
-                if not p.dispatched:
-                    p.dispatched = now
-                    self._cancel_when_abandoned(p)
-            self.inflight, self.running = len(batch), batch
-            self.metrics.batch_size.observe(len(batch))
-            streaming = {p.job.request_id: p for p in batch if p.progress is not None}
+            self.running = batch
             try:
-                results = await self.worker.run([p.job for p in batch], functools.partial(self._on_progress, streaming))
-                self.batch_seconds = 0.8 * self.batch_seconds + 0.2 * (time.perf_counter() - now)
-            except WorkerUnavailable as exc:
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(WorkerUnavailable(str(exc)))
-            except Exception as exc:  # never let one batch stop the loop
-                log.exception("batch failed")
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(exc)
-            else:
-                again = [
-                    p
-                    for p, r in zip(batch, results, strict=True)
-                    if p.preempted and r.transcription is not None and r.transcription.finish == "cancelled"
-                ]
-                self._run_again(again)
-                for p, r in zip(batch, results, strict=True):
-                    if p in again:
-                        continue
-                    if r.suspended:
-                        self._resume_later(p)
-                    elif not p.future.done():
-                        p.future.set_result(r)
-                    elif r.transcription is not None and r.transcription.finish == "cancelled":
-                        self.metrics.running_cancelled.inc()
+                await self._dispatch(batch)
             finally:
-                self.inflight, self.running = 0, []
+                self.running = []
+                if self._nesting is not None:  # its last batch, sent as this one ended, is answered first
+                    await asyncio.shield(self._nesting)
+
+    async def _dispatch(self, batch: list[Pending]) -> None:
+        """Run `batch` in the worker and settle its requests: answered, queued again (preempted) or to resume later
+        (suspended), or failed with the worker's error. Never raises: one batch must not stop the batcher."""
+        now = time.perf_counter()
+        for p in batch:
+            if not p.dispatched:
+                p.dispatched = now
+                self._cancel_when_abandoned(p)
+        self.metrics.batch_size.observe(len(batch))
+        streaming = {p.job.request_id: p for p in batch if p.progress is not None}
+        try:
+            results = await self.worker.run([p.job for p in batch], functools.partial(self._on_progress, streaming))
+            self.batch_seconds = 0.8 * self.batch_seconds + 0.2 * (time.perf_counter() - now)
+        except WorkerUnavailable as exc:
+            for p in batch:
+                if not p.future.done():
+                    p.future.set_exception(WorkerUnavailable(str(exc)))
+        except Exception as exc:
+            log.exception("batch failed")
+            for p in batch:
+                if not p.future.done():
+                    p.future.set_exception(exc)
+        else:
+            again = [
+                p
+                for p, r in zip(batch, results, strict=True)
+                if p.preempted and r.transcription is not None and r.transcription.finish == "cancelled"
+            ]
+            self._run_again(again)
+            for p, r in zip(batch, results, strict=True):
+                if p in again:
+                    continue
+                if r.suspended:
+                    self._resume_later(p)
+                elif not p.future.done():
+                    p.future.set_result(r)
+                elif r.transcription is not None and r.transcription.finish == "cancelled":
+                    self.metrics.running_cancelled.inc()
 
     async def drain(self, timeout: float) -> None:
         """Stop accepting; wait for queued and running work up to `timeout`."""

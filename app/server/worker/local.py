@@ -68,7 +68,7 @@ class LocalWorker:
             self.batch_peak_mb = max(self.batch_peak_mb, result.peak_mb)
             self.metrics.worker_batch_peak.set(self.batch_peak_mb * MB)
             if self.memory is not None:
-                self._plan(self.memory.after_batch(len(result.results), result.peak_mb))
+                self._plan(self.memory.after_batch(len(result.results) + result.nested_clips, result.peak_mb))
 
     def _plan(self, plan: MemoryPlan | None) -> None:
         """The worker's memory plan now: the batcher holds batches to the clips it allows."""

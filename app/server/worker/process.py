@@ -10,7 +10,6 @@ import os
 import queue
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,11 +21,11 @@ from app.api.types import InvalidRequestError, Metrics, Segment, Transcription, 
 from app.engine.heap import heap_trimmer
 from app.server.memory import ProcessMemory, reset_peak
 from app.server.worker.budget import MemoryBudgetError, warm_up_within
+from app.server.worker.inbox import Inbox
 from app.server.worker.policy import BatchCost, Mode, ModePolicy
 from app.server.worker.protocol import (
     BatchRequest,
     BatchResult,
-    Cancel,
     Heartbeat,
     Job,
     JobResult,
@@ -66,6 +65,11 @@ class BatchRunner:
 
     A job may ask for voice prints of its speech (`Job.prints`, for diarization): they are taken when it starts,
     by the speaker embedder (`make_embedder`, loaded on the first such job), and answered with its transcription.
+
+    A batch that comes while one runs (`waiting()`: the web process sends one only to go before a batch of long
+    uploads' jobs) runs inside it, at the running batch's next heartbeat (an encoder layer or a decoder pass), and
+    is answered at once; the running batch then goes on where it was, its state untouched. One level deep: a batch
+    that comes during the inner one waits for its turn. A batch that hosted one is not measured for the policy.
     """
 
     def __init__(
@@ -78,6 +82,7 @@ class BatchRunner:
         windows: int = 0,
         forgotten: Callable[[], list[str]] = list,
         make_embedder: Callable[[], SpeakerEmbedder] = load_embedder,
+        waiting: Callable[[], BatchRequest | None] = lambda: None,
     ) -> None:
         self.engine = engine
         self.policy = policy
@@ -87,8 +92,12 @@ class BatchRunner:
         self.forgotten = forgotten
         self.make_embedder = make_embedder
         self._embedder: SpeakerEmbedder | None = None
+        self.waiting = waiting
         self.suspended: dict[str, _Transcription] = {}
         self._last_beat = 0.0
+        self._depth = 0  # batches running: 2 while one runs inside another
+        self._nested = 0  # clips of the batches run inside the current outer one
+        self._hosting = False  # the outer batch may have a batch run inside it
 
     @property
     def embedder(self) -> SpeakerEmbedder:
@@ -103,6 +112,9 @@ class BatchRunner:
         if now - self._last_beat >= HEARTBEAT_S:
             self._last_beat = now
             self.send(Heartbeat())
+        if self._depth == 1 and self._hosting and (inner := self.waiting()) is not None:
+            self._nested += len(inner.jobs)
+            self.send(self.run(inner))
 
     def forget(self) -> None:
         """Let go of the suspended jobs whose clients left."""
@@ -110,6 +122,17 @@ class BatchRunner:
             self.suspended.pop(request_id, None)
 
     def run(self, batch: BatchRequest) -> BatchResult:
+        self._depth += 1
+        if self._depth == 1:
+            self._nested = 0
+            self._hosting = all(job.background for job in batch.jobs)  # only long uploads' jobs make room
+        try:
+            result = self._run(batch)
+        finally:
+            self._depth -= 1
+        return dataclasses.replace(result, nested_clips=self._nested) if self._depth == 0 else result
+
+    def _run(self, batch: BatchRequest) -> BatchResult:
         self.forget()
         valid: list[tuple[Job, _Transcription]] = []
         results: dict[str, JobResult] = {}
@@ -171,7 +194,7 @@ class BatchRunner:
             if jobs[i].stream:
                 self.send(Progress(jobs[i].request_id, segments))
 
-        started = time.perf_counter()
+        started, nested = time.perf_counter(), self._nested
         try:
             self.engine.advance(
                 running,
@@ -186,7 +209,7 @@ class BatchRunner:
                 j.request_id: JobResult(j.request_id, error=f"internal error: {exc}", internal=True) for j in jobs
             }
         elapsed = time.perf_counter() - started
-        if eligible:  # what this batch did: the rows share its decode time
+        if eligible and self._nested == nested:  # what this batch did (alone): the rows share its decode time
             done = [(t.counters.tokens - a, t.counters.windows - b, t.counters.decode_s - c)
                     for t, (a, b, c) in zip(running, before, strict=True)]  # fmt: skip
             cost = BatchCost.of(max(d for _, _, d in done), [(tokens, windows) for tokens, windows, _ in done])
@@ -207,52 +230,6 @@ class BatchRunner:
                 self.suspended[job.request_id] = t
                 results[job.request_id] = JobResult(job.request_id, suspended=True)
         return mode, results
-
-
-class Inbox:
-    """The worker's reader thread: batches queue up for the main thread; a Cancel is noted at once, mid-batch.
-
-    The web process has one batch in flight at a time and cancels only jobs it has sent, so a new
-    batch clears the cancellations of the previous one.
-    """
-
-    def __init__(self, conn: Connection) -> None:
-        self._conn = conn
-        self._batches: queue.Queue[BatchRequest | None] = queue.Queue()  # None: stop
-        self._cancelled: set[str] = set()
-        self._forgotten: list[str] = []  # every Cancel: a suspended job of these ids is dropped
-        self._orphaned = False  # the web process is gone: whatever runs is for no one
-        threading.Thread(target=self._read, name="worker-inbox", daemon=True).start()
-
-    def _read(self) -> None:
-        while True:
-            try:
-                message = self._conn.recv()
-            except (EOFError, OSError):
-                self._orphaned = True
-                message = None
-            if isinstance(message, Cancel):
-                self._cancelled.add(message.request_id)
-                if not message.keep:
-                    self._forgotten.append(message.request_id)
-            elif isinstance(message, BatchRequest):
-                self._cancelled = set()
-                self._batches.put(message)
-            else:  # Stop, or the web process is gone
-                self._batches.put(None)
-                return
-
-    def next(self, timeout: float | None = None) -> BatchRequest | None:
-        """The next batch (None: stop); raises queue.Empty after `timeout` seconds without one."""
-        return self._batches.get(timeout=timeout)
-
-    def forgotten(self) -> list[str]:
-        """The ids cancelled since the last call."""
-        taken, self._forgotten = self._forgotten, []
-        return taken
-
-    def is_cancelled(self, request_id: str) -> bool:
-        return self._orphaned or request_id in self._cancelled
 
 
 def leave_the_server_group() -> None:
@@ -325,15 +302,17 @@ def worker_main(settings: Settings, conn: Connection) -> None:
         windows=settings.windows_per_turn,
         forgotten=inbox.forgotten,
         make_embedder=lambda: load_embedder(settings.speaker_embedder),
+        waiting=inbox.waiting,
     )
     conn.send(Ready(time.perf_counter() - started, described, plan))
     while True:
         try:
-            batch = inbox.next(timeout=IDLE_BEFORE_TRIM_S if trim is not None else None)
+            batch = inbox.next(timeout=IDLE_BEFORE_TRIM_S)
         except queue.Empty:
-            assert trim is not None
             runner.forget()  # an abandoned suspended job's memory goes back too
-            trim()
+            inbox.settle()
+            if trim is not None:
+                trim()
             batch = inbox.next()
         if batch is None:
             return

@@ -87,6 +87,7 @@ class BatchResult:
     mode: Mode | None = None  # how the worker decoded it (None: no valid row)
     estimates: list[Estimate] = field(default_factory=list)  # the adaptive policy's, after this batch
     peak_mb: float | None = None  # the worker's resident peak over this batch (None: not measured)
+    nested_clips: int = 0  # clips of the batches the worker ran inside this one (their memory is in `peak_mb`)
 
     def costs(self) -> dict[tuple[str, int], float]:
         """The measured estimates: ms per plain pass by (mode, batch size)."""
