@@ -1,6 +1,6 @@
 """What each process of a real server imports while it serves: the web process runs the VAD, clusters speakers and
-answers every format without torch, transformers or the silero-vad package (each would cost it memory for nothing:
-#47); the worker runs the models and the speaker encoder with torch but without transformers."""
+answers every format without torch, transformers, the silero-vad package or scipy (each would cost it memory for
+nothing: #46, #47); the worker runs the models and the speaker encoder with torch but without transformers."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from tests.clients import encode, realtime_text
 from tests.server import ServerProcess, running_server, starts_server
 
-WATCHED = ("torch", "transformers", "silero_vad")
+WATCHED = ("torch", "transformers", "silero_vad", "scipy")
 
 # Loaded first in every Python process started with the folder on PYTHONPATH (the web process and the worker it
 # spawns): it writes "<pid> <package>" once for each watched package the process imports, as it does.

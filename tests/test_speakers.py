@@ -206,3 +206,34 @@ def test_a_quiet_recording_prints_as_its_voice_not_as_silence(
     quiet = embedders.reference_print(embedder, lj * 0.01)
     other = embedders.reference_print(embedder, austen * 0.01)
     assert float(loud @ quiet) > 0.99 and float(quiet @ other) < 0.75
+
+
+def _partition(labels: np.ndarray) -> list[tuple[int, ...]]:
+    groups: dict[int, list[int]] = {}
+    for i, label in enumerate(labels.tolist()):
+        groups.setdefault(label, []).append(i)
+    return sorted(tuple(g) for g in groups.values())
+
+
+def test_average_linkage_and_its_cuts_are_scipys() -> None:
+    """`linkage` builds scipy's average-linkage tree over cosine distances (the same heights) and cuts it as `fcluster`
+    does, by height and to a number of clusters, on prints in voice-like groups and on unstructured ones."""
+    from scipy.cluster.hierarchy import fcluster
+    from scipy.cluster.hierarchy import linkage as scipy_linkage
+
+    from app.speakers.linkage import average_linkage, cut, cut_to
+
+    rng = np.random.default_rng(7)
+    for trial in range(12):
+        n, dim, voices = int(rng.integers(2, 120)), 32, int(rng.integers(1, 6))
+        centres = rng.standard_normal((voices, dim))
+        spread = 0.3 if trial % 2 else 3.0  # tight groups, or hardly any
+        prints = centres[rng.integers(0, voices, n)] + spread * rng.standard_normal((n, dim))
+        tree = scipy_linkage(prints, method="average", metric="cosine")
+        merges = average_linkage(prints)
+        assert np.allclose([h for _, _, h in merges], tree[:, 2], atol=1e-9), trial
+        for height in (0.1, 0.3, 0.45, 0.8):
+            ours, theirs = cut(n, merges, height), fcluster(tree, t=height, criterion="distance")
+            assert _partition(ours) == _partition(theirs), (trial, height)
+        for k in (1, 2, 3, n):
+            assert _partition(cut_to(n, merges, k)) == _partition(fcluster(tree, t=k, criterion="maxclust")), (trial, k)

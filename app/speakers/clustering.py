@@ -1,4 +1,4 @@
-"""Voice prints -> speakers: agglomerative clustering (scipy), the number of speakers found by a distance cut.
+"""Voice prints -> speakers: agglomerative clustering (`linkage`), the number of speakers found by a distance cut.
 
 Prints are merged bottom-up by average cosine distance; merging stops at `threshold` (measured on the
 benchmark's conversations, `docs/performance.md`), so the number of speakers is what the voices say, kept within
@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+
+from app.speakers.linkage import average_linkage, cut, cut_to
 
 THRESHOLD = 0.45  # average cosine distance at which two groups of prints are different voices (see the module doc)
 MAX_TREE = 1000  # prints in the tree at most (its distances: n² / 2 floats); of more, every k-th one
@@ -52,14 +54,12 @@ def _tree_labels(vectors: np.ndarray, threshold: float, low: int | None, high: i
         sample = vectors[::stride]
         means = centroids(sample, _tree_labels(sample, threshold, low, high))
         return _by_first_appearance(np.argmax(vectors @ means.T, axis=1))
-    from scipy.cluster.hierarchy import fcluster, linkage  # imported on the first diarized request only
-
-    tree = linkage(vectors.astype(np.float64), method="average", metric="cosine")
-    labels = fcluster(tree, t=threshold, criterion="distance")
+    merges = average_linkage(vectors)
+    labels = cut(n, merges, threshold)
     found = len(set(labels.tolist()))
     least, most = max(1, low or 1), min(n, high or n)
     if not least <= found <= most:
-        labels = fcluster(tree, t=min(max(found, least), most), criterion="maxclust")
+        labels = cut_to(n, merges, min(max(found, least), most))
     return _by_first_appearance(labels)
 
 

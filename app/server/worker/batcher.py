@@ -321,7 +321,7 @@ class Batcher:
             finally:
                 self.running = []
                 if self._nesting is not None:  # its last batch, sent as this one ended, is answered first
-                    await asyncio.shield(self._nesting)
+                    await asyncio.wait([self._nesting])  # (never raises for how it ended; not cancelled with us)
 
     async def _dispatch(self, batch: list[Pending]) -> None:
         """Run `batch` in the worker and settle its requests: answered, queued again (preempted) or to resume later

@@ -114,7 +114,13 @@ class BatchRunner:
             self.send(Heartbeat())
         if self._depth == 1 and self._hosting and (inner := self.waiting()) is not None:
             self._nested += len(inner.jobs)
-            self.send(self.run(inner))
+            try:
+                answer = self.run(inner)
+            except Exception as exc:  # answered whatever happens, and the long batch goes on
+                log.exception("batch %s failed", inner.batch_id)
+                failed = [JobResult(j.request_id, error=f"internal error: {exc}", internal=True) for j in inner.jobs]
+                answer = BatchResult(inner.batch_id, failed)
+            self.send(answer)
 
     def forget(self) -> None:
         """Let go of the suspended jobs whose clients left."""
