@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 
-import numpy as np
 import pytest
 
 from app.server.memory import ProcessMemory, reset_peak
@@ -40,9 +40,13 @@ def test_process_memory_follows_what_the_process_touches() -> None:
         pytest.skip("this kernel cannot reset a process's peak")
     before = ProcessMemory.of()
     assert before is not None and before.peak - before.rss < 4 << 20  # the peak starts afresh from the RSS
-    block = np.ones(64 << 20, np.uint8)  # 64 MB, touched
+    # A fresh mapping, not the allocator's: a big process (the whole suite's) may have freed heap that is still
+    # resident, and a 64-MB array could land there without the RSS moving.
+    block = mmap.mmap(-1, 64 << 20)
+    for _ in range(64):
+        block.write(b"\1" * (1 << 20))  # 64 MB, touched
     during = ProcessMemory.of()
-    del block
+    block.close()
     after = ProcessMemory.of()
     assert during is not None and after is not None
     assert during.rss - before.rss >= 60 << 20
