@@ -21,7 +21,8 @@ OPENAI_MODEL_NAMES = (
     "gpt-4o-realtime-preview",
     "gpt-4o-mini-realtime-preview",
 )
-DtypeName = Literal["auto", "float32", "float16", "bfloat16"]  # "auto": float16 on a GPU, float32 on a CPU
+# "auto": float16 on a GPU, float32 on a CPU; "int8": int8 linear layers on a CPU, float32 around them
+DtypeName = Literal["auto", "float32", "float16", "bfloat16", "int8"]
 
 
 def default_models_dir() -> Path:
@@ -38,7 +39,11 @@ class Settings(BaseSettings):
     assistant: str = Field("self-draft", description="'self-draft', 'none', or a model reference")
     models_dir: Path = Field(default_factory=default_models_dir, description="where converted models live")
     device: str = Field("auto", description="'auto' (cuda when present), 'cpu', 'cuda', 'cuda:1', ...")
-    dtype: DtypeName = Field("auto", description="the models' dtype: 'auto' is float16 on a GPU, float32 on a CPU")
+    dtype: DtypeName = Field(
+        "auto",
+        description="the models' dtype: 'auto' is float16 on a GPU, float32 on a CPU; 'int8' (CPUs) gives the main"
+        " model int8 linear layers (AVX-512 VNNI or AVX2) and float32 elsewhere",
+    )
     encoder_dtype: DtypeName = Field(
         "auto",
         description="the main encoder's own dtype ('auto': as `dtype`); bfloat16 on a CPU with AMX runs it"

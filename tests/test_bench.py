@@ -11,6 +11,7 @@ import pytest
 from app.model.native import cpu_runs_kernel, kernel_isa
 from app.tools.bench import select_clips
 from app.tools.manifest import read_manifest
+from app.tools.precisionbench import SPOKEN_CONDITIONS
 from tests.conftest import run_app
 
 
@@ -113,3 +114,27 @@ def test_bench_compares_beam_search_with_greedy_and_faster_whisper(benchdata: Pa
     )
     per_clip = {(c["id"], c["beam_size"]) for c in report["per_clip"]}
     assert len(per_clip) == 6
+
+
+@pytest.mark.slow  # two engines, every language, a noise condition
+@pytest.mark.skipif(not cpu_runs_kernel(), reason="int8 runs on this project's kernel")
+def test_precision_bench_compares_float32_and_int8(benchdata: Path, tmp_path: Path) -> None:
+    """`bench-precision`: both dtypes on the same clips in one run, each exact against its own main-only decoding
+    (alone and in a batch of 4), with the encoder's time a window, WER per set (English clean, under noise and over
+    a telephone line here) and the ratios to float32."""
+    out_json = tmp_path / "precision.json"
+    args = ("--manifest", str(benchdata / "manifest.jsonl"), "--languages", "en", "--per-set", "4")
+    args += ("--condition-clips", "1")
+    out = run_app("bench-precision", *args, "--json", str(out_json), timeout=900)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out_json.read_text())
+    assert report["against"] == "float32" and set(report["dtypes"]) == {"float32", "int8"}
+    assert report["engines"]["int8"]["dtype"] == "int8" and report["engines"]["float32"]["dtype"] == "float32"
+    for dtype, figures in report["dtypes"].items():
+        assert figures["all"]["identical_fraction"] == 1.0 and figures["batch_identical_fraction"] == 1.0, dtype
+        assert figures["encoder_ms_per_window"] > 0 and figures["all"]["tokens_per_main_pass"] > 1
+        assert set(figures["sets"]) == {"en", *SPOKEN_CONDITIONS}
+        assert figures["sets"]["en"]["clips"] == 4 and figures["sets"]["en"]["wer"] < 0.25
+    ratios = report["ratios"]["int8"]
+    assert ratios["encoder_speedup"] > 0 and ratios["spec_e2e_speedup_english"] > 0
+    assert set(ratios["wer_points_by_set"]) == set(report["dtypes"]["int8"]["sets"])

@@ -292,6 +292,27 @@ def test_a_bfloat16_encoder_feeds_fp32_decoders_exactly(store: ModelStore, clip:
         assert all(r.metrics.speculative and r.metrics.draft_accepted > 0 for r in runs[True])
 
 
+@pytest.mark.skipif(not cpu_runs_kernel(), reason="int8 runs on this project's kernel")
+def test_an_int8_main_model_is_exact_alone_and_batched(store: ModelStore, clip: Callable) -> None:
+    """`dtype=int8`: the main model's linear layers in int8, its draft sharing them. Each row is quantized on its
+    own and multiplied in integers, so the decoder stays batch-invariant (the warm-up's check says so) and
+    speculative decoding gives int8 main-only's tokens, one clip at a time and four in a batch, in five languages."""
+    main = load_model("whisper-base", store, int8=True, progress=False)
+    drafter = self_draft(main)
+    engine = Engine(main, drafter)
+    engine.warm_up({1})
+    assert engine.batch_invariant and engine.describe()["dtype"] == "int8"
+    ids = ["whisper/jfk", "fleurs/fleurs-de-001", "fleurs/fleurs-es-002", "fleurs/fleurs-fr-002"]
+    audio = [clip(c) for c in ids]
+    options = [DecodingOptions(language=CLIPS[c]) for c in ids]
+    alone, batched = _modes_alone_and_batched(main, drafter, audio, options)
+    assert "ask not what your country can do for you" in alone[False][0].text.lower()
+    for runs in (alone, batched):
+        assert [r.tokens for r in runs[True]] == [r.tokens for r in runs[False]]
+        assert all(r.metrics.speculative and r.metrics.draft_accepted > 0 for r in runs[True])
+    assert [r.tokens for r in batched[False]] == [r.tokens for r in alone[False]]
+
+
 @pytest.mark.skipif(not cpu_runs_kernel(), reason="the batch-invariant attention needs this project's kernel")
 def test_a_verification_pass_gives_each_token_a_one_token_steps_bits(base: WhisperModel, clip: Callable) -> None:
     """Bit for bit, not only the same argmax: the main model's logits at every position are the same whether

@@ -20,10 +20,11 @@ import torch
 from torch import Tensor, nn
 
 from app.engine.decoding.batch import DecoderState
-from app.engine.drafting.int8 import Int8Linear, dynamic_int8, int8_draft_decoder, int8_twin
+from app.engine.drafting.int8 import dynamic_int8, int8_draft_decoder, int8_twin
 from app.model.cpu import cpu_flags
 from app.model.decoder import CrossKV, TextDecoder
 from app.model.features import N_SAMPLES, log_mel, window
+from app.model.int8 import Int8Linear
 from app.model.kernels import PackedLinear, packing_available
 from app.model.native import cpu_runs_kernel, kernel_extension, kernel_sources
 from app.model.whisper import WhisperModel
@@ -98,7 +99,8 @@ def test_a_built_package_carries_every_kernel_source(tmp_path: Path) -> None:
 
 PROBE = """
 import json, logging, torch
-from app.engine.drafting.int8 import Int8Linear, int8_twin
+from app.engine.drafting.int8 import int8_twin
+from app.model.int8 import Int8Linear
 from app.model.native import kernel_extension
 logging.basicConfig(level=logging.WARNING)
 torch.manual_seed(0)

@@ -1,5 +1,5 @@
-"""The command line's benchmarks and load tools: bench, bench-audio, realtimebench, peerbench, gpubench, loadtest,
-soak, storm."""
+"""The command line's benchmarks and load tools: bench, bench-precision, bench-audio, realtimebench, peerbench,
+gpubench, loadtest, soak, storm."""
 
 from __future__ import annotations
 
@@ -72,6 +72,21 @@ def _bench(args: argparse.Namespace) -> int:
     if args.plot:
         plot(report, args.plot)
     return 0
+
+
+def _bench_precision(args: argparse.Namespace) -> int:
+    from app.tools.precisionbench import run_precision_bench
+
+    report = run_precision_bench(
+        args.manifest,
+        args.dtypes.split(","),
+        per_set=args.per_set,
+        languages=set(args.languages.split(",")) if args.languages else None,
+        condition_clips=args.condition_clips,
+        threads=args.threads,
+        settings=settings_of(args),
+    )
+    return _printed(report, args)
 
 
 def _bench_audio(args: argparse.Namespace) -> int:
@@ -186,6 +201,20 @@ def add_commands(commands: Any) -> None:
     )
     add_common(bench)
     bench.set_defaults(handler=_bench)
+
+    precision = commands.add_parser(
+        "bench-precision", help="dtypes side by side (float32, int8): encoder and decode speed, exactness, WER by set"
+    )
+    precision.add_argument("--manifest", type=Path, default=default_manifest(), help="benchdata manifest.jsonl")
+    precision.add_argument("--dtypes", default="float32,int8", help="the dtypes compared, the first the baseline")
+    precision.add_argument("--per-set", type=int, help="at most N clips of each language (default: all)")
+    precision.add_argument("--languages", help="comma-separated language codes (default: all)")
+    precision.add_argument(
+        "--condition-clips", type=int, default=8, help="English clips joined into each noise and telephone condition"
+    )
+    precision.add_argument("--json", type=Path, help="write the report here")
+    add_common(precision)
+    precision.set_defaults(handler=_bench_precision)
 
     # Its own parser takes its options (main() hands them over), and `gpubench --help` lists them.
     audio = commands.add_parser(

@@ -32,7 +32,7 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         choices=get_args(DtypeName),
-        help="the models' dtype (auto: float16 on a GPU, float32 on a CPU)",
+        help="the models' dtype (auto: float16 on a GPU, float32 on a CPU; int8: int8 linear layers on a CPU)",
     )
     parser.add_argument(
         "--encoder-dtype",

@@ -23,8 +23,18 @@ def build_engine(settings: Settings, *, progress: bool = True) -> Engine:
     store = ModelStore(settings.models_dir)
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
-    encoder_dtype = dtype if settings.encoder_dtype == "auto" else resolve_dtype(settings.encoder_dtype, device)
-    main = load_model(settings.model, store, device=device, dtype=dtype, encoder_dtype=encoder_dtype, progress=progress)
+    encoder_name = settings.dtype if settings.encoder_dtype == "auto" else settings.encoder_dtype
+    encoder_dtype = resolve_dtype(encoder_name, device)
+    main = load_model(
+        settings.model,
+        store,
+        device=device,
+        dtype=dtype,
+        encoder_dtype=encoder_dtype,
+        int8=settings.dtype == "int8",
+        encoder_int8=encoder_name == "int8",
+        progress=progress,
+    )
     if main.encoder is not None:
         main.encoder.attention_kernel = settings.encoder_attention
         main.encoder.rows_per_pass = settings.encoder_rows or (2 if device.type == "cpu" else None)

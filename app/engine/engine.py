@@ -82,23 +82,23 @@ class Engine:
         self.batch_invariant: bool | None = None
 
     def describe(self) -> dict[str, str | int | bool | None]:
-        """What this engine runs: its models, device, torch threads and dtypes, the encoder's attention
-        kernel (timed now if the encoder has not run yet), the decoders' attention, whether the warm-up found
-        the main decoder batch-invariant (`app.engine.invariance`) and the instruction set of the draft's
-        int8 kernel (None where the draft does not run on it)."""
-        from app.engine.drafting.int8 import Int8Linear
+        """What this engine runs: its models, device, torch threads and dtypes ("int8" for int8 linear layers), the
+        encoder's attention kernel (timed now if the encoder has not run yet), the decoders' attention, whether the
+        warm-up found the main decoder batch-invariant (`app.engine.invariance`) and the instruction set of the
+        int8 kernel (None where neither the main model nor the draft runs on it)."""
+        from app.model.int8 import holds_int8
         from app.model.native import kernel_isa
 
         main, encoder = self.main, self.main.encoder
         draft_decoder = getattr(self.drafter, "decoder", None)
-        on_kernel = draft_decoder is not None and any(isinstance(m, Int8Linear) for m in draft_decoder.modules())
+        on_kernel = any(holds_int8(m) for m in (main.decoder, encoder, draft_decoder))
         return {
             "model": main.name,
             "assistant": self.drafter.name if self.drafter is not None else None,
             "device": str(main.device),
             "threads": torch.get_num_threads(),
-            "dtype": _dtype_name(main.dtype),
-            "encoder_dtype": _dtype_name(encoder.dtype) if encoder is not None else None,
+            "dtype": "int8" if holds_int8(main.decoder) else _dtype_name(main.dtype),
+            "encoder_dtype": None if encoder is None else "int8" if holds_int8(encoder) else _dtype_name(encoder.dtype),
             "encoder_attention": encoder.attention_in_use() if encoder is not None else None,
             "decoder_attention": main.decoder.attention_in_use(),
             "batch_invariant": self.batch_invariant,

@@ -10,7 +10,9 @@ import torch
 
 from app.model.decoder import TextDecoder
 from app.model.encoder import AudioEncoder
+from app.model.int8 import quantize_linears
 from app.model.kernels import pack_linears
+from app.model.native import kernel_extension
 from app.model.tokenizer import VocabularyMismatchError, WhisperTokenizer
 from app.model.weights import WhisperDims
 from app.model.whisper import GenerationConstants, WhisperModel
@@ -44,18 +46,37 @@ def _constants(ref: str, config: dict[str, Any]) -> GenerationConstants:
     )
 
 
+class PrecisionError(ValueError):
+    """The precision asked for does not run here (int8 on a GPU, or on a CPU the int8 kernel does not run on)."""
+
+
+def int8_kernel(device: torch.device) -> Any:
+    """The kernel library an int8 model runs on; PrecisionError where there is none (never another precision)."""
+    if device.type != "cpu":
+        raise PrecisionError(f"dtype int8 runs on CPUs; on {device} use float16 or bfloat16")
+    ext = kernel_extension()
+    if ext is None:
+        raise PrecisionError(
+            "dtype int8 needs this project's int8 kernel, which does not run here (an x86-64 CPU with AVX2 + FMA,"
+            " and a prebuilt library or a C++ compiler: see the log above); use float32"
+        )
+    return ext
+
+
 def is_settings_error(exc: BaseException) -> bool:
     """Whether `exc`, raised by load_model, means the settings name no usable model, so that trying
     again would fail the same way; not so for a hub out of reach, memory or a device."""
     if any(isinstance(e, HubUnreachableError) and not e.offline for e in (exc, exc.__cause__)):
         return False
-    return isinstance(exc, ModelNotFoundError | CheckpointError | VocabularyMismatchError)
+    return isinstance(exc, ModelNotFoundError | CheckpointError | VocabularyMismatchError | PrecisionError)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The dtype a model computes in: 'int8' models compute in float32 around their int8 products."""
     if dtype == "auto":
         return torch.float16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.float32}
+    return names[dtype]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -71,14 +92,22 @@ def load_model(
     device: torch.device | None = None,
     dtype: torch.dtype = torch.float32,
     encoder_dtype: torch.dtype | None = None,
+    int8: bool = False,
+    encoder_int8: bool | None = None,
     keep_encoder: bool = True,
     progress: bool = True,
 ) -> WhisperModel:
     """Load `ref` (see `ModelStore.resolve`) as an engine model on `device`.
 
     encoder_dtype: the encoder's own dtype (None: `dtype`); its states reach the decoder in `dtype`.
+    int8: every linear layer int8 (`app.model.int8`), quantized here, the rest in float32 (`dtype` must be
+    float32); encoder_int8: the encoder's own choice (None: as `int8`). PrecisionError where int8 cannot run.
     """
     device = device or torch.device("cpu")
+    encoder_int8 = int8 if encoder_int8 is None else encoder_int8
+    ext = int8_kernel(device) if int8 or encoder_int8 else None
+    if (int8 and dtype != torch.float32) or (encoder_int8 and encoder_dtype not in (None, torch.float32)):
+        raise PrecisionError("an int8 model computes in float32 around its int8 products")
     path = store.resolve(ref, progress=progress)
     try:
         config = read_config(path)
@@ -108,17 +137,26 @@ def load_model(
     # fp32 on the CPU: every product on oneDNN's kernels with prepacked weights (app/model/kernels.py).
     # Torch's default GEMM streamed the decoder's 1..k-row products, above all the 100 MB vocabulary
     # projection, at a fraction of the memory bandwidth (docs/history/performance-log.md).
-    pack_linears(decoder)
-    decoder.compact_table()
-    if encoder is not None:
+    # int8: every product on this project's kernel (app/model/int8.py), a quarter of the weights' bytes.
+    # The encoder's products and the decoder's audio keys/values have 1500 rows a window: oneDNN's int8 matmul.
+    if int8:
+        quantize_linears(decoder, ext, many_rows=lambda name: name.endswith(".cross_kv"))
+    else:
+        pack_linears(decoder)
+    if encoder is not None and encoder_int8:
+        quantize_linears(encoder, ext, many_rows=lambda name: True)
+    elif encoder is not None:
         pack_linears(encoder)
+    decoder.compact_table()  # where the projection does not read the embedding table
     tokenizer_file = checkpoint_file(path, "tokenizer.json")
     if tokenizer_file is None:
         raise CheckpointError(f"{path}: no tokenizer.json")
     tokenizer = WhisperTokenizer.from_file(tokenizer_file, vocab_size=dims.vocab_size)
     name = Path(path).name if Path(path).is_dir() else ref
-    encoder_note = f", encoder {encoder.dtype}" if encoder is not None and encoder.dtype != dtype else ""
-    log.info("loaded %s from %s (%s, %s%s)", name, path, device, dtype, encoder_note)
+    precision = "int8" if int8 else str(dtype).removeprefix("torch.")
+    encoder_precision = "int8" if encoder_int8 else str(encoder.dtype if encoder else dtype).removeprefix("torch.")
+    encoder_note = f", encoder {encoder_precision}" if encoder is not None and encoder_precision != precision else ""
+    log.info("loaded %s from %s (%s, %s%s)", name, path, device, precision, encoder_note)
     return WhisperModel(
         name=name,
         encoder=encoder,

@@ -1,16 +1,17 @@
 """int8 twins of linear layers for the CPU drafts.
 
 Two implementations of the same idea (int8 weights, activations quantized on the fly):
-- `Int8Linear`: this project's kernel (`csrc/int8_linear.cpp`, built and loaded by `app.model.native`)
-  for x86-64 CPUs with AVX2 + FMA, which runs AVX-512 VNNI code where the CPU has it. A draft step
-  runs ~37 small products one row at a time; torch's dynamic int8 linear spends 15-30 us on each
-  whatever its size, this kernel 3-10 us (docs/history/performance-log.md).
+- `Int8Linear` (`app.model.int8`): this project's kernel for x86-64 CPUs with AVX2 + FMA, which runs
+  AVX-512 VNNI code where the CPU has it. A draft step runs ~37 small products one row at a time; torch's
+  dynamic int8 linear spends 15-30 us on each whatever its size, this kernel 3-10 us
+  (docs/history/performance-log.md).
 - `Int8DraftStack`: the same kernel running all layers of such a draft in one call, for draft
   steps (every row feeds one token): ~150 small torch ops per step become one.
 - `dynamic_int8`: torch's dynamic int8 linear (fbgemm), wherever the kernel cannot be built or run.
 
-Only drafts use them: the main model, which decides every token, keeps its own weights, so the
-choice changes the speed of speculative decoding, never its output.
+The main model, which decides every token, keeps its own weights, so the choice changes the speed of
+speculative decoding, never its output. An int8 main model's draft shares its int8 products (they are already
+the kernel's) and runs them as one call a step.
 """
 
 from __future__ import annotations
@@ -26,41 +27,11 @@ import torch
 from torch import Tensor, nn
 
 from app.model.decoder import CrossKV, DecoderLayer, KVCache, TextDecoder
+from app.model.int8 import Int8Linear, runs_on_kernel
 from app.model.kernels import PackedLinear
 from app.model.native import kernel_extension
 
 log = logging.getLogger(__name__)
-
-
-class Int8Linear(nn.Module):
-    """int8 twin of a linear: weights int8 per output row (symmetric), run by this project's kernel.
-
-    Input [..., in] fp32 -> output [..., out] fp32. Each input row is quantized to uint8 over its
-    own range, as torch's dynamic int8 linear does for a whole input.
-    """
-
-    packed: Tensor
-    scale: Tensor
-    row_sum: Tensor
-    bias: Tensor | None
-
-    def __init__(self, linear: nn.Linear | PackedLinear, ext: Any) -> None:
-        super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self._ext = ext
-        packed, scale, row_sum = ext.quantize(linear.weight.detach().float())
-        self.register_buffer("packed", packed, persistent=False)
-        self.register_buffer("scale", scale, persistent=False)
-        self.register_buffer("row_sum", row_sum, persistent=False)
-        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
-        self.register_buffer("bias", bias, persistent=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self._ext.linear(x.float(), self.packed, self.scale, self.row_sum, self.bias)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 ({self._ext.isa()} kernel)"
 
 
 def dynamic_int8(linear: nn.Linear | PackedLinear) -> nn.Module:
@@ -78,9 +49,13 @@ def dynamic_int8(linear: nn.Linear | PackedLinear) -> nn.Module:
         return DynamicInt8Linear.from_float(source)
 
 
-def int8_twin(linear: nn.Linear | PackedLinear, kernel: bool = True) -> nn.Module:
-    """An int8 twin of `linear` (which is left as it is): this project's kernel where it runs, else torch's."""
-    ext = kernel_extension() if kernel and linear.in_features % 4 == 0 else None
+def int8_twin(linear: nn.Module, kernel: bool = True) -> nn.Module:
+    """An int8 twin of `linear` (which is left as it is): this project's kernel where it runs, else torch's. An
+    `Int8Linear` (an int8 main model's) is its own twin: the draft shares its weights."""
+    if isinstance(linear, Int8Linear):
+        return linear
+    assert isinstance(linear, nn.Linear | PackedLinear)
+    ext = kernel_extension() if kernel and runs_on_kernel(linear) else None
     return Int8Linear(linear, ext) if ext is not None else dynamic_int8(linear)
 
 
@@ -94,7 +69,10 @@ class _Product:
     bias: Tensor  # empty when the linear has none
 
     @classmethod
-    def of(cls, linear: Int8Linear) -> _Product:
+    def of(cls, linear: Int8Linear) -> _Product | None:
+        """None where the linear holds no kernel blocks (a many-rows product's weights are oneDNN's)."""
+        if linear.packed is None:
+            return None
         bias = torch.empty(0) if linear.bias is None else linear.bias
         return cls(linear.packed, linear.scale, linear.row_sum, bias)
 
@@ -134,8 +112,8 @@ class DraftLayerWeights:
             module = getattr(layer, f.name)
             if isinstance(module, nn.LayerNorm):
                 parts[f.name] = _Norm.of(module)
-            elif isinstance(module, Int8Linear):
-                parts[f.name] = _Product.of(module)
+            elif isinstance(module, Int8Linear) and (product := _Product.of(module)) is not None:
+                parts[f.name] = product
             else:
                 return None
         return cls(**parts)  # type: ignore[arg-type]
@@ -211,7 +189,7 @@ def int8_draft_decoder(decoder: TextDecoder, kernel: bool = True) -> TextDecoder
         twin._modules = {name: _draft_twin(child, kernel) for name, child in layer._modules.items()}
         layers.append(twin)
     draft.layers = nn.ModuleList(layers)
-    draft.proj = int8_twin(cast(nn.Linear | PackedLinear, decoder.proj), kernel)
+    draft.proj = int8_twin(decoder.proj, kernel)
     # int8 products take and give fp32: a half-precision decoder's copy gets fp32 copies of its position
     # table and norms (a few hundred KB for Whisper base) and casts the embeddings it looks up.
     draft.norm = _fp32_norm(decoder.norm)
@@ -222,7 +200,7 @@ def int8_draft_decoder(decoder: TextDecoder, kernel: bool = True) -> TextDecoder
 
 def _draft_twin(module: nn.Module | None, kernel: bool) -> nn.Module | None:
     """A drafting copy's version of one of a layer's modules: int8 for products, fp32 for norms."""
-    if isinstance(module, nn.Linear | PackedLinear):
+    if isinstance(module, nn.Linear | PackedLinear | Int8Linear):
         return int8_twin(module, kernel)
     if isinstance(module, nn.LayerNorm):
         return _fp32_norm(module)

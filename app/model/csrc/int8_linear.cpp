@@ -99,28 +99,6 @@ struct QuantizedRows {
   std::vector<float> scale, zero;
 };
 
-QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
-  QuantizedRows out{std::vector<uint8_t>(static_cast<size_t>(m * k)), std::vector<float>(static_cast<size_t>(m)),
-                    std::vector<float>(static_cast<size_t>(m))};
-  for (int64_t r = 0; r < m; ++r) {
-    const float* src = x + r * k;
-    float lo = 0.f, hi = 0.f;
-    for (int64_t i = 0; i < k; ++i) {
-      lo = std::min(lo, src[i]);
-      hi = std::max(hi, src[i]);
-    }
-    const float s = hi > lo ? (hi - lo) / 255.f : 1.f;
-    const float inv = 1.f / s;
-    const int32_t zero = std::clamp(static_cast<int32_t>(std::nearbyint(-lo * inv)), 0, 255);
-    out.scale[r] = s;
-    out.zero[r] = static_cast<float>(zero);
-    uint8_t* dst = out.values.data() + r * k;
-    for (int64_t i = 0; i < k; ++i)
-      dst[i] = static_cast<uint8_t>(std::clamp(static_cast<int32_t>(std::nearbyint(src[i] * inv)) + zero, 0, 255));
-  }
-  return out;
-}
-
 // The SIMD code, once per instruction set. Only what is defined between push and pop is compiled for
 // that target, so the library loads on any x86-64 CPU and runs what `isa()` finds there.
 #pragma GCC push_options
@@ -151,14 +129,19 @@ bool cpu_has_avx2_fma() { return __builtin_cpu_supports("avx2") && __builtin_cpu
 struct Ops {
   const char* name;
   bool (*runs_here)();
+  void (*quantize_row)(const float*, int64_t, uint8_t*, float*, float*);
   void (*qlinear_rows)(const uint8_t*, const float*, const float*, int64_t, const Packed&, float*);
+  void (*qlinear_many)(const uint8_t*, const float*, const float*, int64_t, const Packed&, float*);
+  void (*rescale_rows)(const int32_t*, int64_t, const float*, const float*, const Packed&, float*);
   void (*attend)(const float*, const at::Tensor&, const at::Tensor&, int64_t, int64_t, float*);
   void (*attend_rows)(const float*, const at::Tensor&, const at::Tensor&, const int64_t*, int64_t, int64_t, float*);
 };
 
-constexpr Ops kAvx512{"avx512_vnni", cpu_has_avx512_vnni, avx512::qlinear_rows, avx512::attend,
-                       avx512::attend_rows};
-constexpr Ops kAvx2{"avx2", cpu_has_avx2_fma, avx2::qlinear_rows, avx2::attend, avx2::attend_rows};
+constexpr Ops kAvx512{"avx512_vnni",        cpu_has_avx512_vnni, avx512::quantize_row, avx512::qlinear_rows,
+                       avx512::qlinear_many, avx512::rescale_rows, avx512::attend, avx512::attend_rows};
+// AVX2 runs many rows as it runs a few (no tiled path of its own yet)
+constexpr Ops kAvx2{"avx2",          cpu_has_avx2_fma, avx2::quantize_row, avx2::qlinear_rows,
+                    avx2::qlinear_rows, avx2::rescale_rows, avx2::attend, avx2::attend_rows};
 constexpr std::array<const Ops*, 2> kWidestFirst{&kAvx512, &kAvx2};
 
 const Ops* best() {
@@ -191,9 +174,24 @@ std::string use_isa(const std::string& name) {
   return "";
 }
 
+// Rows from which a product takes the tiled path (`qlinear_many`): it gives each row the bits the row path
+// gives it, so the choice is only one of speed.
+constexpr int64_t kManyRows = 16;
+
+QuantizedRows quantize_rows(const Ops& with, const float* x, int64_t m, int64_t k) {
+  QuantizedRows out{std::vector<uint8_t>(static_cast<size_t>(m * k)), std::vector<float>(static_cast<size_t>(m)),
+                    std::vector<float>(static_cast<size_t>(m))};
+  at::parallel_for(0, m, std::max<int64_t>(1, 32768 / k), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      with.quantize_row(x + r * k, k, out.values.data() + r * k, &out.scale[r], &out.zero[r]);
+  });
+  return out;
+}
+
 void qlinear(const Ops& with, const float* x, int64_t m, const Packed& w, float* y) {
-  const QuantizedRows xq = quantize_rows(x, m, w.k);
-  with.qlinear_rows(xq.values.data(), xq.scale.data(), xq.zero.data(), m, w, y);
+  const QuantizedRows xq = quantize_rows(with, x, m, w.k);
+  const auto product = m >= kManyRows ? with.qlinear_many : with.qlinear_rows;
+  product(xq.values.data(), xq.scale.data(), xq.zero.data(), m, w, y);
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
@@ -207,6 +205,44 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   auto y = at::empty({rows.size(0), w.n}, x.options());
   if (rows.size(0) > 0) qlinear(ops(), rows.data_ptr<float>(), rows.size(0), w, y.data_ptr<float>());
   return y.view(out_shape);
+}
+
+// x [..., k] fp32 -> (int8 [rows, k], scale [rows], zero [rows]): each row quantized to uint8 over its own
+// range as `linear` does, less 128 so that the values fit int8 (for oneDNN's int8 matmul, `torch._int_mm`).
+std::vector<at::Tensor> quantize_activations(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1, "quantize_activations: expected fp32 input");
+  const int64_t k = x.size(-1);
+  auto rows = x.reshape({-1, k}).contiguous();
+  const int64_t m = rows.size(0);
+  QuantizedRows q = quantize_rows(ops(), rows.data_ptr<float>(), m, k);
+  auto values = at::empty({m, k}, at::kChar);
+  auto scale = at::empty({m}, at::kFloat), zero = at::empty({m}, at::kFloat);
+  int8_t* vp = values.data_ptr<int8_t>();
+  at::parallel_for(0, m * k, 65536, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) vp[i] = static_cast<int8_t>(static_cast<int32_t>(q.values[i]) - 128);
+  });
+  std::copy(q.scale.begin(), q.scale.end(), scale.data_ptr<float>());
+  std::copy(q.zero.begin(), q.zero.end(), zero.data_ptr<float>());
+  return {values, scale, zero};
+}
+
+// acc [rows, n] int32 (the int8 activations of `quantize_activations` times the int8 weights) -> fp32
+// [rows, n], rescaled and biased as `linear` does its own integer products: the same bits.
+at::Tensor rescale(const at::Tensor& acc, const at::Tensor& x_scale, const at::Tensor& x_zero, const at::Tensor& scale,
+                   const at::Tensor& row_sum, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(acc.scalar_type() == at::kInt && acc.dim() == 2, "rescale: expected int32 [rows, n]");
+  const int64_t m = acc.size(0), n = acc.size(1);
+  TORCH_CHECK(scale.numel() == n && row_sum.numel() == n && x_scale.numel() == m && x_zero.numel() == m,
+              "rescale: scales do not match the products");
+  const bool has_bias = bias.has_value() && bias->defined() && bias->numel() > 0;
+  const Packed w{nullptr, scale.data_ptr<float>(), row_sum.data_ptr<int32_t>(),
+                 has_bias ? bias->data_ptr<float>() : nullptr, n, 0};
+  auto a = acc.contiguous();
+  auto y = at::empty({m, n}, at::kFloat);
+  if (m > 0)
+    ops().rescale_rows(a.data_ptr<int32_t>(), m, x_scale.contiguous().data_ptr<float>(),
+                       x_zero.contiguous().data_ptr<float>(), w, y.data_ptr<float>());
+  return y;
 }
 
 void layer_norm(const float* x, const float* w, const float* b, int64_t d, float eps, float* y) {
@@ -349,6 +385,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_isa", &use_isa, "use the given instruction set from now on (it must run on this CPU)");
   m.def("quantize", &quantize, "fp32 [N, K] weight -> (packed int8 blocks, row scales, row sums)");
   m.def("linear", &linear, "y = dequant(quant(x) W^T) + b for a packed int8 W");
+  m.def("quantize_activations", &quantize_activations, "fp32 rows -> (int8 rows less 128, row scales, zero points)");
+  m.def("rescale", &rescale, "int32 products of quantize_activations' rows -> fp32, as `linear` gives them");
   m.def("attention", &attention, "attention over each query's own prefix of keys; per query the same bits in any call");
   pybind11::class_<DraftStack>(m, "DraftStack")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, int64_t, double>())

@@ -95,3 +95,70 @@ void qlinear_rows(const uint8_t* xq, const float* x_scale, const float* x_zero, 
     }
   });
 }
+
+// One row of activations to uint8 over its own range [min(0, x), max(0, x)], 8 at a time: the same bits as
+// the AVX-512 `quantize_row` (min, max and one rounding per value, in IEEE fp32).
+void quantize_row(const float* src, int64_t k, uint8_t* dst, float* scale, float* zero) {
+  __m256 lo_v = _mm256_setzero_ps(), hi_v = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) {
+    const __m256 x = _mm256_loadu_ps(src + i);
+    lo_v = _mm256_min_ps(lo_v, x);
+    hi_v = _mm256_max_ps(hi_v, x);
+  }
+  alignas(32) float los[8], his[8];
+  _mm256_store_ps(los, lo_v);
+  _mm256_store_ps(his, hi_v);
+  float lo = 0.f, hi = 0.f;
+  for (int j = 0; j < 8; ++j) {
+    lo = std::min(lo, los[j]);
+    hi = std::max(hi, his[j]);
+  }
+  for (int64_t j = i; j < k; ++j) {
+    lo = std::min(lo, src[j]);
+    hi = std::max(hi, src[j]);
+  }
+  const float s = hi > lo ? (hi - lo) / 255.f : 1.f;
+  const float inv = 1.f / s;
+  const int32_t z = std::clamp(static_cast<int32_t>(std::nearbyint(-lo * inv)), 0, 255);
+  *scale = s;
+  *zero = static_cast<float>(z);
+  const __m256 inv_v = _mm256_set1_ps(inv);
+  const __m256i z_v = _mm256_set1_epi32(z), floor_v = _mm256_setzero_si256(), ceil_v = _mm256_set1_epi32(255);
+  alignas(32) int32_t q[8];
+  for (i = 0; i + 8 <= k; i += 8) {
+    const __m256 scaled =
+        _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(src + i), inv_v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i v = _mm256_add_epi32(_mm256_cvtps_epi32(scaled), z_v);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(q), _mm256_min_epi32(_mm256_max_epi32(v, floor_v), ceil_v));
+    for (int j = 0; j < 8; ++j) dst[i + j] = static_cast<uint8_t>(q[j]);
+  }
+  for (; i < k; ++i)
+    dst[i] = static_cast<uint8_t>(std::clamp(static_cast<int32_t>(std::nearbyint(src[i] * inv)) + z, 0, 255));
+}
+
+// y[m, n] from integer products computed elsewhere: as the AVX-512 `rescale_rows`, the same bits.
+void rescale_rows(const int32_t* acc, int64_t m, const float* x_scale, const float* x_zero, const Packed& w, float* y) {
+  const int64_t n = w.n;
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / n), [&](int64_t r0, int64_t r1) {
+    alignas(32) int32_t acc8[8], sum8[8];
+    alignas(32) float scale8[8], bias8[8], out8[8];
+    for (int64_t r = r0; r < r1; ++r) {
+      const __m256 zero = _mm256_set1_ps(x_zero[r]), xs = _mm256_set1_ps(x_scale[r]);
+      for (int64_t first = 0; first < n; first += 8) {
+        const int64_t width = std::min<int64_t>(8, n - first);
+        for (int64_t i = 0; i < 8; ++i) {  // lanes past n: zeros
+          acc8[i] = i < width ? acc[r * n + first + i] : 0;
+          sum8[i] = i < width ? w.row_sum[first + i] : 0;
+          scale8[i] = i < width ? w.scale[first + i] : 0.f;
+          bias8[i] = i < width && w.bias ? w.bias[first + i] : 0.f;
+        }
+        const __m256i sum = _mm256_load_si256(reinterpret_cast<const __m256i*>(sum8));
+        const __m256i dot = _mm256_add_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(acc8)), _mm256_slli_epi32(sum, 7));
+        const __m256 centered = _mm256_fnmadd_ps(zero, _mm256_cvtepi32_ps(sum), _mm256_cvtepi32_ps(dot));
+        _mm256_store_ps(out8, _mm256_fmadd_ps(_mm256_mul_ps(centered, xs), _mm256_load_ps(scale8), _mm256_load_ps(bias8)));
+        std::copy_n(out8, width, y + r * n + first);
+      }
+    }
+  });
+}
