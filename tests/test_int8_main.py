@@ -53,25 +53,32 @@ def _integer_reference(twin: Int8Linear, x: Tensor) -> Tensor:
 )
 def test_every_path_gives_a_row_the_same_bits(rows: int, n_in: int, n_out: int) -> None:
     """A row's output is the same bits whether the kernel runs it alone, among a few rows (one row at a time
-    through the weights), among many (tiles of rows), or oneDNN's int8 matmul takes the integer products: what
-    keeps an int8 decoder batch-invariant and a window's encoder states independent of its neighbours."""
+    through the weights), among many (tiles of rows), or oneDNN's int8 matmul takes the integer products, on
+    every instruction set the CPU runs: what keeps an int8 decoder batch-invariant and a window's encoder states
+    independent of its neighbours."""
     ext = kernel_extension()
     torch.manual_seed(rows)
     linear = nn.Linear(n_in, n_out)
     x = torch.nn.functional.gelu(torch.randn(rows, n_in) * 2)  # skewed, as the inputs of fc2
     x[:, :3] -= 4  # and some negative
     kernel = Int8Linear(linear, ext)
+    onednn = Int8Linear(linear, ext, many_rows=True) if int_mm_runs() else None
+    if onednn is not None:
+        assert onednn.packed is None and onednn.weight_int8 is not None  # one layout, not two
+    chosen, outputs = ext.isa(), []
+    try:
+        for isa in ("avx512_vnni", "avx2") if chosen == "avx512_vnni" else ("avx2",):
+            ext.use_isa(isa)
+            with torch.no_grad():
+                outputs += [kernel(x), torch.cat([kernel(x[i : i + 1]) for i in range(rows)])]
+                if onednn is not None:
+                    outputs += [onednn(x), onednn(x.view(1, rows, n_in)).view(rows, n_out)]
+    finally:
+        ext.use_isa(chosen)
+    assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
+    torch.testing.assert_close(outputs[0], _integer_reference(kernel, x), rtol=1e-5, atol=1e-5)
     with torch.no_grad():
-        together = kernel(x)
-        alone = torch.cat([kernel(x[i : i + 1]) for i in range(rows)])
-        assert torch.equal(together, alone)
-        if int_mm_runs():
-            onednn = Int8Linear(linear, ext, many_rows=True)
-            assert onednn.packed is None and onednn.weight_int8 is not None  # one layout, not two
-            assert torch.equal(onednn(x), together)
-            assert torch.equal(onednn(x.view(1, rows, n_in)), together.view(1, rows, n_out))
-        torch.testing.assert_close(together, _integer_reference(kernel, x), rtol=1e-5, atol=1e-5)
-        assert float((together - linear(x)).abs().mean() / linear(x).abs().mean()) < 0.02
+        assert float((outputs[0] - linear(x)).abs().mean() / linear(x).abs().mean()) < 0.02
 
 
 @needs_kernel

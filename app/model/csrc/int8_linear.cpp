@@ -1,6 +1,7 @@
-// int8 linear for the CPU drafts: y = dequant(quant(x) . W^T) + b, for a few rows of x at a time, and
-// the layers of an int8 self-draft run in one call per draft step; and the decoders' batch-invariant
-// attention (`attention`, attention.inc).
+// int8 linear for the CPU drafts and an int8 main model: y = dequant(quant(x) . W^T) + b, for a few rows
+// of x at a time (`qlinear_rows`) or many (`qlinear_many`, AVX-512), or around oneDNN's int8 matmul
+// (`quantize_activations`, `rescale`), every way the same bits for a row; the layers of an int8 self-draft
+// run in one call per draft step; and the decoders' batch-invariant attention (`attention`, attention.inc).
 //
 // W is quantized per output row (symmetric int8, scale[n]) and packed as [ceil(N/16)][K/4][16][4]: one
 // 64-byte block holds four consecutive inputs of 16 output rows, so the products need no horizontal
