@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from app.cli.flags import add_common, overrides, settings_of
+from app.settings import DtypeName
 from app.tools.manifest import default_manifest
 
 
@@ -141,6 +142,7 @@ def _peer_bench(args: argparse.Namespace) -> int:
         chunk_ms=args.chunk_ms,
         silence_ms=args.silence_ms,
         peers_dir=args.peers_dir,
+        settings={"SPECWHISPER_DTYPE": args.dtype} if args.dtype else None,
     )
     print(table(report))
     print(json.dumps(report["targets"], indent=2))
@@ -272,6 +274,7 @@ def add_commands(commands: Any) -> None:
     peers.add_argument("--model", default="whisper-base", help="an embedded model (its CTranslate2 files go to peers)")
     peers.add_argument("--chunk-ms", type=int, default=100, help="live audio sent in chunks of this duration")
     peers.add_argument("--silence-ms", type=int, default=500, help="SpecWhisper's server VAD silence_duration_ms")
+    peers.add_argument("--dtype", choices=get_args(DtypeName), help="SpecWhisper's dtype (default: its own default)")
     peers.add_argument("--peers-dir", type=Path, help="peers' environments and weights (default: user cache)")
     peers.add_argument("--json", type=Path, help="write the report here")
     peers.add_argument("--plot", type=Path, help="write a PNG of throughput and latency by load here")
