@@ -281,12 +281,13 @@ def worker_main(settings: Settings, conn: Connection) -> None:
     disable_progress_bars()  # hub downloads: this process's output is the server's log
     try:
         engine = build_engine(settings, progress=False)
-        trim = heap_trimmer() if settings.worker_heap_trim else None
+        trimmer = heap_trimmer()
+        trim = trimmer if settings.worker_heap_trim else None
         plan = None
         if settings.worker_memory_mb is None:
             warmed = engine.warm_up({1, settings.max_batch})
-        else:
-            warmed, plan = warm_up_within(engine, settings.worker_memory_mb, settings.max_batch, heap_trimmer())
+        else:  # the budget measures the idle worker trimmed, whether or not idle trimming is on
+            warmed, plan = warm_up_within(engine, settings.worker_memory_mb, settings.max_batch, trimmer)
         described = engine.describe()
     except Exception as exc:
         permanent = is_settings_error(exc) or isinstance(exc, MemoryBudgetError)
