@@ -29,6 +29,7 @@ from app.model.kernels import PackedLinear, packing_available
 from app.model.native import cpu_runs_kernel, kernel_extension, kernel_sources
 from app.model.whisper import WhisperModel
 from tests.conftest import run_app
+from tests.int8_reference import integer_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -170,21 +171,6 @@ def test_kernel_linear_matches_fp32_within_int8_error(n_in: int, n_out: int, sha
         assert quantized(torch.empty(0, n_in)).shape == (0, n_out)
 
 
-def _integer_reference(twin: Int8Linear, x: Tensor) -> Tensor:
-    """What the kernel computes, from its packed weights in exact integer arithmetic: each row of x
-    quantized to uint8 over its range, dot products in int64, then both scales and the bias."""
-    blocks, depth, rows, four = twin.packed.shape
-    weight = twin.packed.permute(0, 2, 1, 3).reshape(blocks * rows, depth * four)[: twin.out_features].long()
-    lo, hi = x.amin(-1, keepdim=True).clamp(max=0), x.amax(-1, keepdim=True).clamp(min=0)
-    scale = torch.where(hi > lo, (hi - lo) / 255, torch.ones_like(hi))
-    inv = 1 / scale
-    zero = (-lo * inv).round().clamp(0, 255)
-    xq = ((x * inv).round() + zero).clamp(0, 255).long()
-    dot = (xq @ weight.T).double() - zero.double() * twin.row_sum.double()
-    out = dot * scale.double() * twin.scale.double()
-    return (out + twin.bias.double() if twin.bias is not None else out).float()
-
-
 @needs_kernel
 def test_each_instruction_set_computes_the_exact_integer_products() -> None:
     """Every instruction set this CPU runs gives the integer products exactly (1000 outputs: a partial
@@ -210,7 +196,7 @@ def test_each_instruction_set_computes_the_exact_integer_products() -> None:
             ext.use_isa("sse2")
     finally:
         ext.use_isa(chosen)
-    reference = _integer_reference(twin, x)
+    reference = integer_reference(twin, x)
     for out in outputs.values():
         torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
     if len(outputs) == 2:

@@ -10,14 +10,14 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from app.api.audio import load_audio
 from app.api.types import DecodingOptions
 from app.engine.build import build_engine
 from app.engine.drafting.assistants import self_draft
 from app.engine.engine import Engine
-from app.model.int8 import Int8Linear, int_mm_runs, unpacked
+from app.model.int8 import Int8Linear, int_mm_runs
 from app.model.kernels import PackedLinear
 from app.model.native import cpu_runs_kernel, kernel_extension
 from app.model.whisper import WhisperModel
@@ -27,23 +27,10 @@ from app.store.catalog import ModelStore
 from app.store.loader import PrecisionError, is_settings_error, load_model
 from app.tools.manifest import ManifestClip
 from tests.clients import check_text, encode
+from tests.int8_reference import integer_reference
 from tests.server import openai_client, running_server
 
 needs_kernel = pytest.mark.skipif(not cpu_runs_kernel(), reason="this CPU has no AVX2 + FMA")
-
-
-def _integer_reference(twin: Int8Linear, x: Tensor) -> Tensor:
-    """The product in exact integer arithmetic from the twin's int8 weights: x quantized to uint8 row by row
-    over its range, dot products in int64, then both scales and the bias (in float64)."""
-    weight = (twin.weight_int8 if twin.weight_int8 is not None else unpacked(twin.packed, twin.out_features)).long()
-    lo, hi = x.amin(-1, keepdim=True).clamp(max=0), x.amax(-1, keepdim=True).clamp(min=0)
-    scale = torch.where(hi > lo, (hi - lo) / 255, torch.ones_like(hi))
-    inv = 1 / scale
-    zero = (-lo * inv).round().clamp(0, 255)
-    xq = ((x * inv).round() + zero).clamp(0, 255).long()
-    dot = (xq @ weight.T).double() - zero.double() * twin.row_sum.double()
-    out = dot * scale.double() * twin.scale.double()
-    return (out + twin.bias.double() if twin.bias is not None else out).float()
 
 
 @needs_kernel
@@ -76,7 +63,7 @@ def test_every_path_gives_a_row_the_same_bits(rows: int, n_in: int, n_out: int) 
     finally:
         ext.use_isa(chosen)
     assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
-    torch.testing.assert_close(outputs[0], _integer_reference(kernel, x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outputs[0], integer_reference(kernel, x), rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         assert float((outputs[0] - linear(x)).abs().mean() / linear(x).abs().mean()) < 0.02
 

@@ -84,8 +84,7 @@ def _bench_precision(args: argparse.Namespace) -> int:
         per_set=args.per_set,
         languages=set(args.languages.split(",")) if args.languages else None,
         condition_clips=args.condition_clips,
-        threads=args.threads,
-        settings=settings_of(args),
+        settings=settings_of(args),  # --threads and the engine flags
     )
     return _printed(report, args)
 

@@ -118,18 +118,12 @@ def run_precision_bench(
     per_set: int | None = None,
     languages: set[str] | None = None,
     condition_clips: int = 8,
-    threads: int | None = None,
     settings: Settings | None = None,
 ) -> dict[str, Any]:
     """The report (see the module's docstring); `per_set`: at most that many clips of each language (of
     `languages`, default all); `condition_clips`: English clips joined into each noise and telephone condition."""
     base = settings or Settings()
-    engines = {
-        dtype: build_engine(
-            base.model_copy(update={"dtype": dtype, "threads": threads or base.threads}), progress=False
-        )
-        for dtype in dtypes
-    }
+    engines = {dtype: build_engine(base.model_copy(update={"dtype": dtype}), progress=False) for dtype in dtypes}
     clips = select(read_manifest(manifest), languages=languages, subset="short", max_seconds=30.0)
     sets = _sets(clips, per_set)
     audio = {c.id: load_audio(c.audio) for members in sets.values() for c in members}

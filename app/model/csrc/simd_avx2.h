@@ -35,6 +35,13 @@ struct Vec {
   static constexpr float kExpFloor = -87.f;  // keeps 2^n normal (exp(-87) ~ 1.6e-38)
 };
 
+// The fp32 steps after an integer dot product, written once for both paths (the AVX-512 `rescaled`'s): minus the
+// row's zero point times the row sum of W, times both scales, plus the bias.
+inline __m256 rescaled(__m256i dot, __m256 x_zero, __m256 x_scale, __m256 w_sum, __m256 w_scale, __m256 bias) {
+  const __m256 centered = _mm256_fnmadd_ps(x_zero, w_sum, _mm256_cvtepi32_ps(dot));
+  return _mm256_fmadd_ps(_mm256_mul_ps(centered, x_scale), w_scale, bias);
+}
+
 // How far ahead of the products the weights are fetched. A draft step streams ~50 MB of int8 weights
 // (Whisper base), more than the L3 cache holds: on a Zen 3 machine the vocabulary projection took
 // 1.0 ms with this against 1.5 ms without (the hardware prefetcher alone keeps fewer lines in flight).
@@ -80,11 +87,9 @@ void qlinear_rows(const uint8_t* xq, const float* x_scale, const float* x_zero, 
         const __m256i hi = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[2], acc[3]), _MM_SHUFFLE(3, 1, 2, 0));
         const __m256 zero = _mm256_set1_ps(x_zero[r]), xs = _mm256_set1_ps(x_scale[r]);
         const __m256i dots[2] = {lo, hi};
-        for (int h = 0; h < 2; ++h) {  // minus zero point * row sum of W, times both scales, plus bias
-          const __m256 centered =
-              _mm256_fnmadd_ps(zero, _mm256_load_ps(sum + 8 * h), _mm256_cvtepi32_ps(dots[h]));
-          const __m256 v =
-              _mm256_fmadd_ps(_mm256_mul_ps(centered, xs), _mm256_load_ps(scale + 8 * h), _mm256_load_ps(bias + 8 * h));
+        for (int h = 0; h < 2; ++h) {
+          const __m256 v = rescaled(dots[h], zero, xs, _mm256_load_ps(sum + 8 * h), _mm256_load_ps(scale + 8 * h),
+                                    _mm256_load_ps(bias + 8 * h));
           if (width == kRows)
             _mm256_storeu_ps(y + r * n + first + 8 * h, v);
           else
@@ -155,8 +160,8 @@ void rescale_rows(const int32_t* acc, int64_t m, const float* x_scale, const flo
         }
         const __m256i sum = _mm256_load_si256(reinterpret_cast<const __m256i*>(sum8));
         const __m256i dot = _mm256_add_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(acc8)), _mm256_slli_epi32(sum, 7));
-        const __m256 centered = _mm256_fnmadd_ps(zero, _mm256_cvtepi32_ps(sum), _mm256_cvtepi32_ps(dot));
-        _mm256_store_ps(out8, _mm256_fmadd_ps(_mm256_mul_ps(centered, xs), _mm256_load_ps(scale8), _mm256_load_ps(bias8)));
+        _mm256_store_ps(out8, rescaled(dot, zero, xs, _mm256_cvtepi32_ps(sum), _mm256_load_ps(scale8),
+                                       _mm256_load_ps(bias8)));
         std::copy_n(out8, width, y + r * n + first);
       }
     }

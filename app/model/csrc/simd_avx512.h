@@ -30,6 +30,18 @@ struct Vec {
   static constexpr float kExpFloor = -100.f;
 };
 
+// The fp32 steps after an integer dot product, written once for every path (so that each gives a row the same
+// bits): minus the row's zero point times the row sum of W, times both scales, plus the bias.
+inline __m512 rescaled(__m512i dot, __m512 x_zero, __m512 x_scale, __m512 w_sum, __m512 w_scale, __m512 bias) {
+  const __m512 centered = _mm512_fnmadd_ps(x_zero, w_sum, _mm512_cvtepi32_ps(dot));
+  return _mm512_fmadd_ps(_mm512_mul_ps(centered, x_scale), w_scale, bias);
+}
+
+// The first `count` of 16 lanes (all 16 from 16 on).
+inline __mmask16 first_lanes(int64_t count) {
+  return count >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << count) - 1u);
+}
+
 // y[m, n] = x[m, k] . W^T (+ bias) for the [ceil(N/16), K/4, 16, 4] packing of `quantize`, x already
 // quantized to uint8 (`xq`, with per-row scale and zero point): one 64-byte vector holds four inputs
 // of 16 rows, so a `vpdpbusd` with four broadcast activation bytes adds to 16 dot products at once.
@@ -39,7 +51,7 @@ void qlinear_rows(const uint8_t* xq, const float* x_scale, const float* x_zero, 
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t first = b * kRows, width = std::min(kRows, n - first);
-      const __mmask16 keep = static_cast<__mmask16>((1u << width) - 1u);
+      const __mmask16 keep = first_lanes(width);
       const int8_t* block = w.weight + b * kRows * k;
       const __m512 w_scale = _mm512_maskz_loadu_ps(keep, w.scale + first);
       const __m512 w_sum = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(keep, w.row_sum + first));
@@ -58,9 +70,7 @@ void qlinear_rows(const uint8_t* xq, const float* x_scale, const float* x_zero, 
         for (; q < depth; ++q)
           a0 = _mm512_dpbusd_epi32(a0, _mm512_set1_epi32(xr[q]), _mm512_loadu_si512(block + q * 64));
         const __m512i dot = _mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3));
-        // minus zero point * row sum of W, times both scales, plus bias
-        const __m512 centered = _mm512_fnmadd_ps(_mm512_set1_ps(x_zero[r]), w_sum, _mm512_cvtepi32_ps(dot));
-        const __m512 out = _mm512_fmadd_ps(_mm512_mul_ps(centered, _mm512_set1_ps(x_scale[r])), w_scale, b_vec);
+        const __m512 out = rescaled(dot, _mm512_set1_ps(x_zero[r]), _mm512_set1_ps(x_scale[r]), w_sum, w_scale, b_vec);
         _mm512_mask_storeu_ps(y + r * n + first, keep, out);
       }
     }
@@ -68,11 +78,11 @@ void qlinear_rows(const uint8_t* xq, const float* x_scale, const float* x_zero, 
 }
 
 // One row of activations to uint8 over its own range [min(0, x), max(0, x)]: `scale`, `zero` and the
-// values, as `quantize_row_reference` (int8_linear.cpp) computes them, 16 at a time: the same bits.
+// values, 16 at a time (the AVX2 `quantize_row` gives the same bits).
 void quantize_row(const float* src, int64_t k, uint8_t* dst, float* scale, float* zero) {
   __m512 lo_v = _mm512_setzero_ps(), hi_v = _mm512_setzero_ps();
   for (int64_t i = 0; i < k; i += 16) {
-    const __mmask16 keep = k - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (k - i)) - 1u);
+    const __mmask16 keep = first_lanes(k - i);
     const __m512 x = _mm512_maskz_loadu_ps(keep, src + i);  // a missing lane reads 0: within the range
     lo_v = _mm512_min_ps(lo_v, x);
     hi_v = _mm512_max_ps(hi_v, x);
@@ -86,7 +96,7 @@ void quantize_row(const float* src, int64_t k, uint8_t* dst, float* scale, float
   const __m512 inv_v = _mm512_set1_ps(inv);
   const __m512i z_v = _mm512_set1_epi32(z), floor_v = _mm512_setzero_si512(), ceil_v = _mm512_set1_epi32(255);
   for (int64_t i = 0; i < k; i += 16) {
-    const __mmask16 keep = k - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (k - i)) - 1u);
+    const __mmask16 keep = first_lanes(k - i);
     const __m512 scaled = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(keep, src + i), inv_v),
                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512i q = _mm512_add_epi32(_mm512_cvtps_epi32(scaled), z_v);
@@ -122,14 +132,13 @@ void qlinear_tile(const uint8_t* xq, const float* x_scale, const float* x_zero, 
   }
   for (int j = 0; j < C; ++j) {
     const int64_t first = (b0 + j) * kRows, width = std::min(kRows, n - first);
-    const __mmask16 keep = static_cast<__mmask16>((1u << width) - 1u);
+    const __mmask16 keep = first_lanes(width);
     const __m512 w_scale = _mm512_maskz_loadu_ps(keep, w.scale + first);
     const __m512 w_sum = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(keep, w.row_sum + first));
     const __m512 b_vec = w.bias ? _mm512_maskz_loadu_ps(keep, w.bias + first) : _mm512_setzero_ps();
     for (int i = 0; i < R; ++i) {
       const int64_t r = r0 + i;
-      const __m512 centered = _mm512_fnmadd_ps(_mm512_set1_ps(x_zero[r]), w_sum, _mm512_cvtepi32_ps(acc[i][j]));
-      const __m512 out = _mm512_fmadd_ps(_mm512_mul_ps(centered, _mm512_set1_ps(x_scale[r])), w_scale, b_vec);
+      const __m512 out = rescaled(acc[i][j], _mm512_set1_ps(x_zero[r]), _mm512_set1_ps(x_scale[r]), w_sum, w_scale, b_vec);
       _mm512_mask_storeu_ps(y + r * n + first, keep, out);
     }
   }
@@ -170,12 +179,12 @@ void rescale_rows(const int32_t* acc, int64_t m, const float* x_scale, const flo
       const __m512 zero = _mm512_set1_ps(x_zero[r]), xs = _mm512_set1_ps(x_scale[r]);
       for (int64_t first = 0; first < n; first += kRows) {
         const int64_t width = std::min(kRows, n - first);
-        const __mmask16 keep = static_cast<__mmask16>((1u << width) - 1u);
+        const __mmask16 keep = first_lanes(width);
         const __m512i sum = _mm512_maskz_loadu_epi32(keep, w.row_sum + first);
         const __m512i dot = _mm512_add_epi32(_mm512_maskz_loadu_epi32(keep, acc + r * n + first), _mm512_slli_epi32(sum, 7));
         const __m512 b_vec = w.bias ? _mm512_maskz_loadu_ps(keep, w.bias + first) : _mm512_setzero_ps();
-        const __m512 centered = _mm512_fnmadd_ps(zero, _mm512_cvtepi32_ps(sum), _mm512_cvtepi32_ps(dot));
-        const __m512 out = _mm512_fmadd_ps(_mm512_mul_ps(centered, xs), _mm512_maskz_loadu_ps(keep, w.scale + first), b_vec);
+        const __m512 out =
+            rescaled(dot, zero, xs, _mm512_cvtepi32_ps(sum), _mm512_maskz_loadu_ps(keep, w.scale + first), b_vec);
         _mm512_mask_storeu_ps(y + r * n + first, keep, out);
       }
     }
