@@ -76,30 +76,3 @@ def test_rewind_overwrites_rejected_positions(base: WhisperModel) -> None:
     # Equal up to float noise from different matmul shapes (hidden states reach ~1e2).
     torch.testing.assert_close(hidden[0], expected[0, 2:], rtol=1e-4, atol=2e-3)
     assert not torch.allclose(hidden[0], dirty_before[0, 2:4], atol=1e-1)
-
-
-def test_the_token_table_is_kept_in_half_precision_only_where_that_is_exact(base: WhisperModel) -> None:
-    """Loaded, the decoder's table for token lookups is the checkpoint's fp16 (the packed projection keeps its own
-    fp32 copy), and a lookup gives the projection's fp32 rows bit for bit; a table that fp16 cannot hold, or one
-    the projection reads itself, stays fp32."""
-    from torch import nn
-
-    from app.model.decoder import TextDecoder
-    from app.model.kernels import packing_available
-
-    decoder = base.decoder
-    if packing_available():
-        assert decoder.embed.weight.dtype == torch.float16
-    ids = torch.arange(0, decoder.vocab_size, 97)
-    with torch.inference_mode():
-        assert torch.equal(decoder.embed(ids).float(), decoder.proj.weight[ids])
-    small = TextDecoder(vocab=64, d_model=8, n_heads=2, ffn_dim=16, n_layers=1, n_positions=4)
-    assert not small.compact_table()  # the tied fp32 projection reads the table itself
-    small.proj = nn.Linear(8, 64, bias=False)
-    with torch.no_grad():
-        small.proj.weight.copy_(small.embed.weight)
-        small.embed.weight[3, 5] = 1 + 2**-20  # not a half-precision number
-    assert not small.compact_table() and small.embed.weight.dtype == torch.float32
-    with torch.no_grad():
-        small.embed.weight.copy_(small.embed.weight.half().float())
-    assert small.compact_table() and small.embed.weight.dtype == torch.float16

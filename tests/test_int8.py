@@ -24,7 +24,7 @@ from app.engine.drafting.int8 import dynamic_int8, int8_draft_decoder, int8_twin
 from app.model.cpu import cpu_flags
 from app.model.decoder import CrossKV, TextDecoder
 from app.model.features import N_SAMPLES, log_mel, window
-from app.model.int8 import Int8Linear
+from app.model.int8 import FloatLinear, Int8Linear
 from app.model.kernels import PackedLinear, packing_available
 from app.model.native import cpu_runs_kernel, kernel_extension, kernel_sources
 from app.model.whisper import WhisperModel
@@ -216,7 +216,7 @@ def test_packed_linears_quantize_like_plain_ones() -> None:
 def test_without_the_kernel_the_draft_uses_torchs_int8(base: WhisperModel) -> None:
     draft = int8_draft_decoder(base.decoder, kernel=False)
     assert not any(isinstance(m, Int8Linear) for m in draft.modules())
-    assert all(not isinstance(m, nn.Linear | PackedLinear) for m in draft.layers.modules())
+    assert all(not isinstance(m, FloatLinear) for m in draft.layers.modules())
 
 
 TEXT = " Printing, in the only sense with which we are at present concerned, differs from most if not from all the arts"
@@ -265,7 +265,7 @@ def test_self_draft_runs_on_the_kernel_and_stays_close_to_the_main_decoder(
     fast = int8_draft_decoder(base.decoder, kernel=True)
     slow = int8_draft_decoder(base.decoder, kernel=False)
     kernel_layers = [m for m in fast.modules() if isinstance(m, Int8Linear)]
-    main_linears = [m for m in base.decoder.modules() if isinstance(m, nn.Linear | PackedLinear)]
+    main_linears = [m for m in base.decoder.modules() if isinstance(m, FloatLinear)]
     assert len(kernel_layers) == len(main_linears)  # every product of every layer, and the vocabulary
     main, _ = _teacher_forced(base.decoder, tokens, cross)
     agree_kernel = float((_teacher_forced(fast, tokens, cross)[0] == main).float().mean())

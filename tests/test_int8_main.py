@@ -17,8 +17,7 @@ from app.api.types import DecodingOptions
 from app.engine.build import build_engine
 from app.engine.drafting.assistants import self_draft
 from app.engine.engine import Engine
-from app.model.int8 import Int8Linear, int_mm_runs
-from app.model.kernels import PackedLinear
+from app.model.int8 import FloatLinear, Int8Linear, int_mm_runs
 from app.model.native import cpu_runs_kernel, kernel_extension
 from app.model.whisper import WhisperModel
 from app.settings import Settings
@@ -72,8 +71,8 @@ def test_every_path_gives_a_row_the_same_bits(rows: int, n_in: int, n_out: int) 
 def test_an_int8_model_holds_int8_products_and_a_quarter_of_the_bytes(store: ModelStore, base: WhisperModel) -> None:
     main = load_model("whisper-base", store, int8=True, progress=False)
     assert main.encoder is not None and main.dtype == torch.float32
-    linears = [m for m in main.decoder.modules() if isinstance(m, nn.Linear | PackedLinear)]
-    assert not linears and not any(isinstance(m, nn.Linear | PackedLinear) for m in main.encoder.modules())
+    linears = [m for m in main.decoder.modules() if isinstance(m, FloatLinear)]
+    assert not linears and not any(isinstance(m, FloatLinear) for m in main.encoder.modules())
     encoder = [m for m in main.encoder.modules() if isinstance(m, Int8Linear)]
     decoder = {n: m for n, m in main.decoder.named_modules() if isinstance(m, Int8Linear)}
     assert len(encoder) == 4 * len(main.encoder.layers) and len(decoder) == 7 * len(main.decoder.layers) + 1
@@ -85,7 +84,7 @@ def test_an_int8_model_holds_int8_products_and_a_quarter_of_the_bytes(store: Mod
     def product_bytes(model: WhisperModel) -> int:
         modules = [*model.decoder.modules(), *(model.encoder.modules() if model.encoder else [])]
         int8 = sum(t.numel() * t.element_size() for m in modules if isinstance(m, Int8Linear) for t in m.buffers())
-        fp32 = sum(4 * m.in_features * m.out_features for m in modules if isinstance(m, nn.Linear | PackedLinear))
+        fp32 = sum(4 * m.in_features * m.out_features for m in modules if isinstance(m, FloatLinear))
         return int8 + fp32
 
     # the fp32 model's packed projection keeps its own copy of the embedding table: so does int8's, in int8

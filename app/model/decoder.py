@@ -286,25 +286,6 @@ class TextDecoder(nn.Module):
             cast(nn.Linear, dec.proj).weight = dec.embed.weight
         return dec.eval()
 
-    def compact_table(self, rows: int = 4096) -> bool:
-        """Keep the token table, which then serves lookups only, in half precision where that holds it exactly: a
-        checkpoint stored in fp16 (as the converted ones are) upcasts exactly, so the lookups give the same fp32
-        bits from half the memory (50 MB for Whisper base). Not while the projection reads the table itself (a
-        tied fp32 `nn.Linear`: packed, it has its own copy). Returns whether it did."""
-        table = self.embed.weight
-        reads_table = isinstance(self.proj, nn.Linear) and self.proj.weight is table
-        if table.dtype != torch.float32 or table.device.type != "cpu" or reads_table:
-            return False
-        half = torch.empty(table.shape, dtype=torch.float16)
-        with torch.no_grad():
-            for start in range(0, table.shape[0], rows):  # a block at a time: no second fp32 table, even briefly
-                block = table[start : start + rows]
-                half[start : start + rows] = block
-                if not torch.equal(half[start : start + rows].float(), block):
-                    return False
-        self.embed.weight = nn.Parameter(half, requires_grad=False)
-        return True
-
     def cross_kv(self, encoder_out: Tensor) -> CrossKV:
         keys, values = [], []
         for layer in cast(list[DecoderLayer], list(self.layers)):

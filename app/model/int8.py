@@ -19,6 +19,10 @@ import torch
 from torch import Tensor, nn
 
 from app.model.kernels import PackedLinear
+from app.model.tokentable import TiedProjection
+
+# The fp32 products an `Int8Linear` can be made from (each has `weight` [out, in], `bias`, the two sizes).
+FloatLinear = nn.Linear | PackedLinear | TiedProjection
 
 
 class Int8Linear(nn.Module):
@@ -38,7 +42,7 @@ class Int8Linear(nn.Module):
     row_sum: Tensor
     bias: Tensor | None
 
-    def __init__(self, linear: nn.Linear | PackedLinear, ext: Any, many_rows: bool = False) -> None:
+    def __init__(self, linear: FloatLinear, ext: Any, many_rows: bool = False) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -84,7 +88,7 @@ def int_mm_runs() -> bool:
 
 def runs_on_kernel(linear: nn.Module) -> bool:
     """Whether the kernel can take this linear's product (its input size a multiple of 4)."""
-    return isinstance(linear, nn.Linear | PackedLinear) and linear.in_features % 4 == 0
+    return isinstance(linear, FloatLinear) and linear.in_features % 4 == 0
 
 
 def quantize_linears(module: nn.Module, ext: Any, many_rows: Callable[[str], bool] = lambda name: False) -> int:
@@ -96,7 +100,7 @@ def quantize_linears(module: nn.Module, ext: Any, many_rows: Callable[[str], boo
     """
     count = 0
     for name, child in list(module.named_modules()):
-        if not isinstance(child, nn.Linear | PackedLinear):
+        if not isinstance(child, FloatLinear):
             continue
         if not runs_on_kernel(child):
             raise ValueError(f"{name}: an input size of {child.in_features} is not a multiple of 4")

@@ -1,7 +1,8 @@
 """This project's C++ kernel library for x86-64 CPUs (`csrc/`): where it comes from and how it loads.
 
-One library holds the int8 products and the one-call step of the CPU drafts (`app.engine.drafting.int8`) and
-the batch-invariant attention of the decoders (`app.model.kernels.prefix_attention`). It runs
+One library holds the int8 products and the one-call step of the CPU drafts (`app.engine.drafting.int8`), the
+batch-invariant attention of the decoders (`app.model.kernels.prefix_attention`) and the vocabulary projection
+over an fp16 token table (`app.model.tokentable`). It runs
 AVX-512 code where the CPU has it and AVX2 + FMA code elsewhere (`kernel_isa()`). It comes from a
 portable build made ahead of time (`python -m app kernels --install`, as the Docker image's build
 stage does, for runtimes without a compiler), else it is compiled on first use by torch's C++
@@ -46,7 +47,8 @@ PORTABLE_CFLAGS = ("-O3", "-fopenmp")
 # -fopenmp compiles at::parallel_for's pragmas (without it they run on one thread); the OpenMP runtime is
 # the one torch already loaded: the library links no other.
 NATIVE_CFLAGS = ("-O3", "-march=native", "-fopenmp")
-CPU_FLAGS = ("avx2", "fma")  # the least the kernel runs on, as /proc/cpuinfo names them
+# The least the kernel runs on, as /proc/cpuinfo names them (every AVX2 CPU also has F16C, for fp16 weights).
+CPU_FLAGS = ("avx2", "fma", "f16c")
 
 
 def cpu_runs_kernel() -> bool:

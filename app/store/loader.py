@@ -14,6 +14,7 @@ from app.model.int8 import quantize_linears
 from app.model.kernels import pack_linears
 from app.model.native import kernel_extension
 from app.model.tokenizer import VocabularyMismatchError, WhisperTokenizer
+from app.model.tokentable import compact_table, share_table
 from app.model.weights import WhisperDims
 from app.model.whisper import GenerationConstants, WhisperModel
 from app.store.catalog import EMBEDDED, ModelNotFoundError, ModelStore
@@ -139,15 +140,19 @@ def load_model(
     # projection, at a fraction of the memory bandwidth (docs/history/performance-log.md).
     # int8: every product on this project's kernel (app/model/int8.py), a quarter of the weights' bytes.
     # The encoder's products and the decoder's audio keys/values have 1500 rows a window: oneDNN's int8 matmul.
+    # fp32: the tied projection and the lookups read one fp16 token table on the kernel where they can
+    # (app/model/tokentable.py); else the table is kept for lookups in fp16 once the projection has its own copy.
     if int8:
         quantize_linears(decoder, ext, many_rows=lambda name: name.endswith(".cross_kv"))
     else:
+        if dtype == torch.float32 and device.type == "cpu":
+            share_table(decoder)
         pack_linears(decoder)
     if encoder is not None and encoder_int8:
         quantize_linears(encoder, ext, many_rows=lambda name: True)
     elif encoder is not None:
         pack_linears(encoder)
-    decoder.compact_table()  # where the projection does not read the embedding table
+    compact_table(decoder)
     tokenizer_file = checkpoint_file(path, "tokenizer.json")
     if tokenizer_file is None:
         raise CheckpointError(f"{path}: no tokenizer.json")

@@ -27,14 +27,13 @@ import torch
 from torch import Tensor, nn
 
 from app.model.decoder import CrossKV, DecoderLayer, KVCache, TextDecoder
-from app.model.int8 import Int8Linear, runs_on_kernel
-from app.model.kernels import PackedLinear
+from app.model.int8 import FloatLinear, Int8Linear, runs_on_kernel
 from app.model.native import kernel_extension
 
 log = logging.getLogger(__name__)
 
 
-def dynamic_int8(linear: nn.Linear | PackedLinear) -> nn.Module:
+def dynamic_int8(linear: FloatLinear) -> nn.Module:
     """torch's dynamically quantized twin of `linear` (int8 weights, fp32 activations)."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
     from torch.ao.quantization import default_dynamic_qconfig
@@ -54,7 +53,7 @@ def int8_twin(linear: nn.Module, kernel: bool = True) -> nn.Module:
     `Int8Linear` (an int8 main model's) is its own twin: the draft shares its weights."""
     if isinstance(linear, Int8Linear):
         return linear
-    assert isinstance(linear, nn.Linear | PackedLinear)
+    assert isinstance(linear, FloatLinear)
     ext = kernel_extension() if kernel and runs_on_kernel(linear) else None
     return Int8Linear(linear, ext) if ext is not None else dynamic_int8(linear)
 
@@ -200,7 +199,7 @@ def int8_draft_decoder(decoder: TextDecoder, kernel: bool = True) -> TextDecoder
 
 def _draft_twin(module: nn.Module | None, kernel: bool) -> nn.Module | None:
     """A drafting copy's version of one of a layer's modules: int8 for products, fp32 for norms."""
-    if isinstance(module, nn.Linear | PackedLinear | Int8Linear):
+    if isinstance(module, FloatLinear | Int8Linear):
         return int8_twin(module, kernel)
     if isinstance(module, nn.LayerNorm):
         return _fp32_norm(module)

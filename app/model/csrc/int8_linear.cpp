@@ -1,7 +1,8 @@
 // int8 linear for the CPU drafts and an int8 main model: y = dequant(quant(x) . W^T) + b, for a few rows
 // of x at a time (`qlinear_rows`) or many (`qlinear_many`, AVX-512), or around oneDNN's int8 matmul
 // (`quantize_activations`, `rescale`), every way the same bits for a row; the layers of an int8 self-draft
-// run in one call per draft step; and the decoders' batch-invariant attention (`attention`, attention.inc).
+// run in one call per draft step; the decoders' batch-invariant attention (`attention`, attention.inc); and the
+// vocabulary projection over an fp16 token table (`half_linear`, half_linear.inc).
 //
 // W is quantized per output row (symmetric int8, scale[n]) and packed as [ceil(N/16)][K/4][16][4]: one
 // 64-byte block holds four consecutive inputs of 16 output rows, so the products need no horizontal
@@ -103,18 +104,20 @@ struct QuantizedRows {
 // The SIMD code, once per instruction set. Only what is defined between push and pop is compiled for
 // that target, so the library loads on any x86-64 CPU and runs what `isa()` finds there.
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
 #include "simd_avx2.h"
 #include "attention.inc"
+#include "half_linear.inc"
 }  // namespace avx2
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")
 namespace avx512 {
 #include "simd_avx512.h"
 #include "attention.inc"
+#include "half_linear.inc"
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -124,7 +127,9 @@ bool cpu_has_avx512_vnni() {
          __builtin_cpu_supports("avx512vnni");
 }
 
-bool cpu_has_avx2_fma() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+bool cpu_has_avx2_fma() {  // F16C: every AVX2 CPU has it (Intel since Ivy Bridge, AMD since Piledriver)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
 
 // The operations a draft step needs from one instruction set.
 struct Ops {
@@ -136,13 +141,16 @@ struct Ops {
   void (*rescale_rows)(const int32_t*, int64_t, const float*, const float*, const Packed&, float*);
   void (*attend)(const float*, const at::Tensor&, const at::Tensor&, int64_t, int64_t, float*);
   void (*attend_rows)(const float*, const at::Tensor&, const at::Tensor&, const int64_t*, int64_t, int64_t, float*);
+  void (*half_linear_rows)(const float*, int64_t, int64_t, const uint16_t*, int64_t, float*);
 };
 
 constexpr Ops kAvx512{"avx512_vnni",        cpu_has_avx512_vnni, avx512::quantize_row, avx512::qlinear_rows,
-                       avx512::qlinear_many, avx512::rescale_rows, avx512::attend, avx512::attend_rows};
+                       avx512::qlinear_many, avx512::rescale_rows, avx512::attend, avx512::attend_rows,
+                       avx512::half_linear_rows};
 // AVX2 runs many rows as it runs a few (no tiled path of its own yet)
 constexpr Ops kAvx2{"avx2",          cpu_has_avx2_fma, avx2::quantize_row, avx2::qlinear_rows,
-                    avx2::qlinear_rows, avx2::rescale_rows, avx2::attend, avx2::attend_rows};
+                    avx2::qlinear_rows, avx2::rescale_rows, avx2::attend, avx2::attend_rows,
+                    avx2::half_linear_rows};
 constexpr std::array<const Ops*, 2> kWidestFirst{&kAvx512, &kAvx2};
 
 const Ops* best() {
@@ -244,6 +252,26 @@ at::Tensor rescale(const at::Tensor& acc, const at::Tensor& x_scale, const at::T
     ops().rescale_rows(a.data_ptr<int32_t>(), m, x_scale.contiguous().data_ptr<float>(),
                        x_zero.contiguous().data_ptr<float>(), w, y.data_ptr<float>());
   return y;
+}
+
+// x [..., k] fp32 times an fp16 table [ceil(n/16), k, 16] (half_linear.inc) -> [..., n] fp32: each output one
+// chain of FMAs over the inputs in order, so a row gets the same bits whatever else the call holds.
+at::Tensor half_linear(const at::Tensor& x, const at::Tensor& table, int64_t n) {
+  TORCH_CHECK(x.is_cpu() && table.is_cpu(), "half_linear: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1, "half_linear: expected fp32 input");
+  TORCH_CHECK(table.scalar_type() == at::kHalf && table.dim() == 3 && table.size(2) == 16 && table.is_contiguous(),
+              "half_linear: expected a contiguous fp16 table [ceil(n/16), k, 16]");
+  const int64_t k = table.size(1);
+  TORCH_CHECK(x.size(-1) == k, "half_linear: the input does not match the table");
+  TORCH_CHECK(n > 0 && (n + 15) / 16 == table.size(0), "half_linear: n does not match the table");
+  auto rows = x.reshape({-1, k}).contiguous();
+  std::vector<int64_t> out_shape = x.sizes().vec();
+  out_shape.back() = n;
+  auto y = at::empty({rows.size(0), n}, x.options());
+  if (rows.size(0) > 0)
+    ops().half_linear_rows(rows.data_ptr<float>(), rows.size(0), k,
+                           reinterpret_cast<const uint16_t*>(table.data_ptr<at::Half>()), n, y.data_ptr<float>());
+  return y.view(out_shape);
 }
 
 void layer_norm(const float* x, const float* w, const float* b, int64_t d, float eps, float* y) {
@@ -388,6 +416,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "y = dequant(quant(x) W^T) + b for a packed int8 W");
   m.def("quantize_activations", &quantize_activations, "fp32 rows -> (int8 rows less 128, row scales, zero points)");
   m.def("rescale", &rescale, "int32 products of quantize_activations' rows -> fp32, as `linear` gives them");
+  m.def("half_linear", &half_linear, "x . W^T for W an fp16 table in 16-output blocks; per row the same bits in any call");
   m.def("attention", &attention, "attention over each query's own prefix of keys; per query the same bits in any call");
   pybind11::class_<DraftStack>(m, "DraftStack")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, int64_t, double>())
