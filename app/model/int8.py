@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from app.model.halflinear import HalfLinear
 from app.model.kernels import PackedLinear
-from app.model.tokentable import TiedProjection
 
 # The fp32 products an `Int8Linear` can be made from (each has `weight` [out, in], `bias`, the two sizes).
-FloatLinear = nn.Linear | PackedLinear | TiedProjection
+FloatLinear = nn.Linear | PackedLinear | HalfLinear
 
 
 class Int8Linear(nn.Module):

@@ -1,12 +1,10 @@
 """The decoder's token table held once, where its checkpoint allows it: lookups and the vocabulary projection.
 
 Whisper ties its vocabulary projection to its token embeddings: logits = hidden . E^T. An fp32 CPU decoder used to
-hold the table twice, a plain copy for lookups and oneDNN's packed copy for the projection (2 x 101 MB for Whisper
+hold the table twice, a plain copy for lookups and oneDNN's packed copy for the projection (2 x 106 MB for Whisper
 base). The converted checkpoints store E in fp16, so the fp32 table is an exact upcast: `share_table` keeps E once,
-in fp16, in the blocks this project's kernel reads (`HalfTokenTable`), and both the lookups and the projection
-(`TiedProjection`) read them. The kernel sums each logit as one chain of FMAs over the hidden state in order, from
-fp16 weights widened exactly, so a row's logits are the same bits whatever else a pass holds (the decoder stays
-batch-invariant) and read half the bytes oneDNN's fp32 copy did.
+in fp16, in the kernel's blocks (`app.model.halflinear`), and both the lookups (`HalfTokenTable`) and the
+projection (a `HalfLinear` over the same blocks) read them.
 
 Where the table is not tied, not exact in fp16, or the kernel does not run, `compact_table` keeps what it can:
 the lookup table in fp16 once the projection has its own copy.
@@ -19,9 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from app.model.halflinear import BLOCK, HalfLinear, half_blocks, unblocked
 from app.model.native import kernel_extension
-
-BLOCK = 16  # outputs side by side in the kernel's table (`half_linear.inc`)
 
 
 class HalfTokenTable(nn.Module):
@@ -37,25 +34,6 @@ class HalfTokenTable(nn.Module):
         self.vocab = vocab
         self.register_buffer("blocks", blocks, persistent=False)
 
-    @classmethod
-    def from_table(cls, table: Tensor, rows: int = 4096) -> HalfTokenTable | None:
-        """The table [V, D] in blocks, or None where some entry is not a half-precision number. Filled `rows`
-        tokens at a time, so no second full-size copy is ever made."""
-        vocab, width = table.shape
-        blocks = torch.zeros(-(-vocab // BLOCK), width, BLOCK, dtype=torch.float16)
-        rows -= rows % BLOCK
-        with torch.no_grad():
-            for start in range(0, vocab, rows):
-                part = table[start : start + rows]
-                half = part.half()
-                if not torch.equal(half.float(), part.float()):
-                    return None
-                padded = torch.zeros(-(-half.shape[0] // BLOCK) * BLOCK, width, dtype=torch.float16)
-                padded[: half.shape[0]] = half
-                first = start // BLOCK
-                blocks[first : first + padded.shape[0] // BLOCK] = padded.view(-1, BLOCK, width).transpose(1, 2)
-        return cls(blocks, vocab)
-
     @property
     def num_embeddings(self) -> int:
         return self.vocab
@@ -67,7 +45,7 @@ class HalfTokenTable(nn.Module):
     @property
     def weight(self) -> Tensor:
         """The table [V, D] in fp16 (a copy)."""
-        return self.blocks.transpose(1, 2).reshape(-1, self.embedding_dim)[: self.vocab]
+        return unblocked(self.blocks, self.vocab)
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.blocks[tokens // BLOCK, :, tokens % BLOCK]
@@ -76,48 +54,21 @@ class HalfTokenTable(nn.Module):
         return f"{self.vocab}, {self.embedding_dim}, fp16 blocks shared with the projection"
 
 
-class TiedProjection(nn.Module):
-    """The vocabulary projection over a `HalfTokenTable`: hidden [..., D] fp32 -> logits [..., V] fp32, on the kernel
-    library's `half_linear`. Reads the table's blocks; holds nothing of its own."""
-
-    blocks: Tensor
-    bias = None
-
-    def __init__(self, table: HalfTokenTable) -> None:
-        super().__init__()
-        self.in_features = table.embedding_dim
-        self.out_features = table.vocab
-        self.register_buffer("blocks", table.blocks, persistent=False)
-
-    @property
-    def weight(self) -> Tensor:
-        """The weight [V, D] in fp32 (a copy: for quantizing a draft's twin of it)."""
-        return self.blocks.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features].float()
-
-    def forward(self, hidden: Tensor) -> Tensor:
-        ext = kernel_extension()
-        assert ext is not None, "a TiedProjection is made only where the kernel library runs"
-        return ext.half_linear(hidden.float(), self.blocks, self.out_features)  # type: ignore[no-any-return]
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, the token table's fp16 blocks"
-
-
 def share_table(decoder: nn.Module) -> bool:
-    """Make an fp32 CPU decoder's tied projection and its lookups read one fp16 table (`HalfTokenTable`); returns
-    whether it did. Not where the projection is untied or already replaced, the table is not exact in fp16, or the
-    kernel library does not run."""
+    """Make an fp32 CPU decoder's tied projection and its lookups read one fp16 table; returns whether it did. Not
+    where the projection is untied or already replaced, the table is not exact in fp16, or the kernel library does
+    not run."""
     embed, proj = decoder.get_submodule("embed"), decoder.get_submodule("proj")
     if not isinstance(embed, nn.Embedding) or type(proj) is not nn.Linear or proj.weight is not embed.weight:
         return False
     table = embed.weight
     if table.dtype != torch.float32 or table.device.type != "cpu" or kernel_extension() is None:
         return False
-    half = HalfTokenTable.from_table(table)
-    if half is None:
+    blocks = half_blocks(table.detach())
+    if blocks is None:
         return False
-    decoder.embed = half
-    decoder.proj = TiedProjection(half)
+    decoder.embed = HalfTokenTable(blocks, table.shape[0])
+    decoder.proj = HalfLinear(blocks, table.shape[0])
     return True
 
 

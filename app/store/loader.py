@@ -10,6 +10,7 @@ import torch
 
 from app.model.decoder import TextDecoder
 from app.model.encoder import AudioEncoder
+from app.model.halflinear import halve_linears
 from app.model.int8 import quantize_linears
 from app.model.kernels import pack_linears
 from app.model.native import kernel_extension
@@ -135,18 +136,19 @@ def load_model(
         unread = tensors.unread("model.decoder.") + (tensors.unread("model.encoder.") if encoder is not None else [])
         if unread:
             raise CheckpointError(f"{path}: config.json does not account for {len(unread)} tensors, e.g. {unread[0]}")
-    # fp32 on the CPU: every product on oneDNN's kernels with prepacked weights (app/model/kernels.py).
-    # Torch's default GEMM streamed the decoder's 1..k-row products, above all the 100 MB vocabulary
-    # projection, at a fraction of the memory bandwidth (docs/history/performance-log.md).
+    # fp32 on the CPU: products on oneDNN's kernels with prepacked weights (app/model/kernels.py); torch's default
+    # GEMM streamed the decoder's few-row products at a fraction of the memory bandwidth (docs/history). From fp16
+    # weights, the decoder's few-row products keep them in fp16 on this project's kernel instead (half the bytes
+    # to read, app/model/halflinear.py), its tied projection and lookups reading one token table
+    # (app/model/tokentable.py); its audio keys/values (1500 rows a window) and the encoder stay on oneDNN.
     # int8: every product on this project's kernel (app/model/int8.py), a quarter of the weights' bytes.
     # The encoder's products and the decoder's audio keys/values have 1500 rows a window: oneDNN's int8 matmul.
-    # fp32: the tied projection and the lookups read one fp16 token table on the kernel where they can
-    # (app/model/tokentable.py); else the table is kept for lookups in fp16 once the projection has its own copy.
     if int8:
         quantize_linears(decoder, ext, many_rows=lambda name: name.endswith(".cross_kv"))
     else:
         if dtype == torch.float32 and device.type == "cpu":
             share_table(decoder)
+            halve_linears(decoder, skip=lambda name: name.endswith(".cross_kv"))
         pack_linears(decoder)
     if encoder is not None and encoder_int8:
         quantize_linears(encoder, ext, many_rows=lambda name: True)

@@ -141,7 +141,7 @@ struct Ops {
   void (*rescale_rows)(const int32_t*, int64_t, const float*, const float*, const Packed&, float*);
   void (*attend)(const float*, const at::Tensor&, const at::Tensor&, int64_t, int64_t, float*);
   void (*attend_rows)(const float*, const at::Tensor&, const at::Tensor&, const int64_t*, int64_t, int64_t, float*);
-  void (*half_linear_rows)(const float*, int64_t, int64_t, const uint16_t*, int64_t, float*);
+  void (*half_linear_rows)(const float*, int64_t, int64_t, const uint16_t*, const float*, int64_t, float*);
 };
 
 constexpr Ops kAvx512{"avx512_vnni",        cpu_has_avx512_vnni, avx512::quantize_row, avx512::qlinear_rows,
@@ -254,23 +254,28 @@ at::Tensor rescale(const at::Tensor& acc, const at::Tensor& x_scale, const at::T
   return y;
 }
 
-// x [..., k] fp32 times an fp16 table [ceil(n/16), k, 16] (half_linear.inc) -> [..., n] fp32: each output one
-// chain of FMAs over the inputs in order, so a row gets the same bits whatever else the call holds.
-at::Tensor half_linear(const at::Tensor& x, const at::Tensor& table, int64_t n) {
-  TORCH_CHECK(x.is_cpu() && table.is_cpu(), "half_linear: CPU tensors only");
+// x [..., k] fp32 times an fp16 weight [ceil(n/16), k, 16] (half_linear.inc), plus an fp32 bias [n] if given ->
+// [..., n] fp32: each output one chain of FMAs over the inputs in order, so a row gets the same bits whatever
+// else the call holds.
+at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight, int64_t n, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.is_cpu() && weight.is_cpu(), "half_linear: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1, "half_linear: expected fp32 input");
-  TORCH_CHECK(table.scalar_type() == at::kHalf && table.dim() == 3 && table.size(2) == 16 && table.is_contiguous(),
-              "half_linear: expected a contiguous fp16 table [ceil(n/16), k, 16]");
-  const int64_t k = table.size(1);
-  TORCH_CHECK(x.size(-1) == k, "half_linear: the input does not match the table");
-  TORCH_CHECK(n > 0 && (n + 15) / 16 == table.size(0), "half_linear: n does not match the table");
+  TORCH_CHECK(weight.scalar_type() == at::kHalf && weight.dim() == 3 && weight.size(2) == 16 && weight.is_contiguous(),
+              "half_linear: expected a contiguous fp16 weight [ceil(n/16), k, 16]");
+  const int64_t k = weight.size(1);
+  TORCH_CHECK(x.size(-1) == k, "half_linear: the input does not match the weight");
+  TORCH_CHECK(n > 0 && (n + 15) / 16 == weight.size(0), "half_linear: n does not match the weight");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous()),
+              "half_linear: the bias must be fp32 [n], contiguous");
   auto rows = x.reshape({-1, k}).contiguous();
   std::vector<int64_t> out_shape = x.sizes().vec();
   out_shape.back() = n;
   auto y = at::empty({rows.size(0), n}, x.options());
   if (rows.size(0) > 0)
     ops().half_linear_rows(rows.data_ptr<float>(), rows.size(0), k,
-                           reinterpret_cast<const uint16_t*>(table.data_ptr<at::Half>()), n, y.data_ptr<float>());
+                           reinterpret_cast<const uint16_t*>(weight.data_ptr<at::Half>()),
+                           has_bias ? bias->data_ptr<float>() : nullptr, n, y.data_ptr<float>());
   return y.view(out_shape);
 }
 
@@ -416,7 +421,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "y = dequant(quant(x) W^T) + b for a packed int8 W");
   m.def("quantize_activations", &quantize_activations, "fp32 rows -> (int8 rows less 128, row scales, zero points)");
   m.def("rescale", &rescale, "int32 products of quantize_activations' rows -> fp32, as `linear` gives them");
-  m.def("half_linear", &half_linear, "x . W^T for W an fp16 table in 16-output blocks; per row the same bits in any call");
+  m.def("half_linear", &half_linear, "x . W^T + b for an fp16 W in 16-output blocks; per row the same bits in any call",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());
   m.def("attention", &attention, "attention over each query's own prefix of keys; per query the same bits in any call");
   pybind11::class_<DraftStack>(m, "DraftStack")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, int64_t, double>())
