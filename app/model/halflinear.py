@@ -15,11 +15,11 @@ Shapes: N outputs, K inputs, B = ceil(N / 16) blocks.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from app.model.kernels import LinearInLayout
 from app.model.native import kernel_extension
 
 BLOCK = 16  # outputs side by side in a block of the kernel's weights
@@ -49,12 +49,10 @@ def unblocked(blocks: Tensor, outputs: int) -> Tensor:
     return blocks.transpose(1, 2).reshape(-1, blocks.shape[1])[:outputs]
 
 
-class HalfLinear(nn.Module):
+class HalfLinear(LinearInLayout):
     """A linear layer whose weight is held in fp16 blocks (`half_blocks`): x [..., K] fp32 -> [..., N] fp32.
 
-    `blocks` may be shared with another module (the decoder's token table, `app.model.tokentable`). As
-    `PackedLinear`, its state dict holds the plain weight and a deep copy is a plain fp32 `nn.Linear`: the
-    blocks are a runtime detail."""
+    `blocks` may be shared with another module (the decoder's token table, `app.model.tokentable`)."""
 
     blocks: Tensor
     bias: Tensor | None
@@ -78,22 +76,6 @@ class HalfLinear(nn.Module):
     def weight(self) -> Tensor:
         """The weight [N, K] in fp32 (a copy: for quantizing a draft's twin of it)."""
         return unblocked(self.blocks, self.out_features).float()
-
-    def to_linear(self) -> nn.Linear:
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
-        with torch.no_grad():
-            linear.weight.copy_(self.weight)
-            if self.bias is not None:
-                linear.bias.copy_(self.bias)
-        return linear
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Linear:
-        return self.to_linear()
-
-    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
-        destination[prefix + "weight"] = self.weight
-        if self.bias is not None:
-            destination[prefix + "bias"] = self.bias
 
     def forward(self, x: Tensor) -> Tensor:
         ext = kernel_extension()

@@ -18,11 +18,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from app.model.halflinear import HalfLinear
-from app.model.kernels import PackedLinear
+from app.model.kernels import LinearInLayout
 
 # The fp32 products an `Int8Linear` can be made from (each has `weight` [out, in], `bias`, the two sizes).
-FloatLinear = nn.Linear | PackedLinear | HalfLinear
+FloatLinear = nn.Linear | LinearInLayout
 
 
 class Int8Linear(nn.Module):

@@ -47,13 +47,38 @@ def packing_available() -> bool:
     )
 
 
-class PackedLinear(nn.Module):
-    """An fp32 `nn.Linear` whose weight [out, in] is held in oneDNN's blocked layout.
+class LinearInLayout(nn.Module):
+    """A linear layer that holds its weight [out, in] in a layout of its own: `weight` gives the plain fp32 weight
+    back, the state dict holds it as `nn.Linear` would, and a deep copy is a plain `nn.Linear` (the layout is a
+    runtime detail, and quantization works on plain linears)."""
 
-    Input [..., in] -> output [..., out]. `weight` gives the plain [out, in] weight back, the
-    state dict holds it as `nn.Linear` would, and a deep copy is a plain `nn.Linear` (the
-    packed layout is a runtime detail, and quantization works on plain linears).
-    """
+    in_features: int
+    out_features: int
+    bias: Tensor | None
+
+    @property
+    def weight(self) -> Tensor:
+        raise NotImplementedError
+
+    def to_linear(self) -> nn.Linear:
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        with torch.no_grad():
+            linear.weight.copy_(self.weight)
+            if self.bias is not None:
+                linear.bias.copy_(self.bias)
+        return linear
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Linear:
+        return self.to_linear()
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        destination[prefix + "weight"] = self.weight
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+
+class PackedLinear(LinearInLayout):
+    """An fp32 `nn.Linear` whose weight [out, in] is held in oneDNN's blocked layout: [..., in] -> [..., out]."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -78,22 +103,6 @@ class PackedLinear(nn.Module):
         """residual + x W^T + b with the sum done inside the kernel (`residual` has the output's shape)."""
         product = torch.ops.mkldnn._linear_pointwise.binary
         return _rows_alike(lambda t, r: product(t, r, self.packed, self.bias, "add"), x, residual)
-
-    def to_linear(self) -> nn.Linear:
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
-        with torch.no_grad():
-            linear.weight.copy_(self.weight)
-            if self.bias is not None:
-                linear.bias.copy_(self.bias)
-        return linear
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Linear:
-        return self.to_linear()
-
-    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
-        destination[prefix + "weight"] = self.weight
-        if self.bias is not None:
-            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
