@@ -1,8 +1,8 @@
 // int8 linear for the CPU drafts and an int8 main model: y = dequant(quant(x) . W^T) + b, for a few rows
 // of x at a time (`qlinear_rows`) or many (`qlinear_many`, AVX-512), or around oneDNN's int8 matmul
 // (`quantize_activations`, `rescale`), every way the same bits for a row; the layers of an int8 self-draft
-// run in one call per draft step; the decoders' batch-invariant attention (`attention`, attention.inc); and the
-// vocabulary projection over an fp16 token table (`half_linear`, half_linear.inc).
+// in one call per draft step (draft_stack.inc); the decoders' batch-invariant attention (`attention`,
+// attention.inc); and fp32 products over fp16 weights for an fp32 decoder (`half_linear`, half_linear.inc).
 //
 // W is quantized per output row (symmetric int8, scale[n]) and packed as [ceil(N/16)][K/4][16][4]: one
 // 64-byte block holds four consecutive inputs of 16 output rows, so the products need no horizontal
@@ -325,92 +325,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& keys, const at::Tens
   return out;
 }
 
-// The layers of an int8 self-draft for rows feeding one token each: a draft step in one call instead
-// of ~150 small torch ops. Same arithmetic as the module path, same int8 products.
-class DraftStack {
- public:
-  // Per layer, in order: norm1 w/b, qkv (packed, scale, row sum, bias), self out (4), norm2 w/b,
-  // cross q (4), cross out (4), norm3 w/b, fc1 (4), fc2 (4); an empty tensor is a missing bias.
-  DraftStack(std::vector<std::vector<at::Tensor>> layers, int64_t heads, double eps)
-      : params_(std::move(layers)), ops_(&ops()), heads_(heads), eps_(static_cast<float>(eps)) {
-    for (const auto& t : params_) {
-      TORCH_CHECK(t.size() == 30, "draft stack: 30 tensors per layer");
-      const auto at = [&t](size_t i) { return unpack(t[i], t[i + 1], t[i + 2], t[i + 3]); };
-      products_.push_back({at(2), at(6), at(12), at(16), at(22), at(26)});
-    }
-  }
-
-  // x [B, D] (token + position embeddings, one token per row) -> the last layer's output [B, D].
-  // Row b writes its keys/values into each layer's cache [B, H, C, Dh] at slot writes[b] (its
-  // position, or the scratch slot for a padding row) and attends over positions 0..positions[b].
-  at::Tensor step(const at::Tensor& x, const std::vector<int64_t>& positions, const std::vector<int64_t>& writes,
-                  const std::vector<at::Tensor>& cache_k, const std::vector<at::Tensor>& cache_v,
-                  const std::vector<at::Tensor>& cross_k, const std::vector<at::Tensor>& cross_v) const {
-    TORCH_CHECK(x.dim() == 2, "draft stack: x must be [B, D]");
-    const int64_t rows = x.size(0), d = x.size(1), dh = d / heads_;
-    TORCH_CHECK(static_cast<int64_t>(positions.size()) == rows && static_cast<int64_t>(writes.size()) == rows,
-                "draft stack: one position and one write slot per row");
-    TORCH_CHECK(cache_k.size() == params_.size() && cross_k.size() == params_.size(), "draft stack: one cache per layer");
-    auto out = x.to(at::kFloat).contiguous().clone();
-    float* xs = out.data_ptr<float>();
-    std::vector<float> h(rows * d), qkv(rows * 3 * d), att(rows * d), tmp(rows * d), ff;
-    const auto residual = [&]() {
-      for (int64_t i = 0; i < rows * d; ++i) xs[i] += tmp[i];
-    };
-    const auto norm = [&](const at::Tensor& w, const at::Tensor& b) {
-      for (int64_t r = 0; r < rows; ++r)
-        layer_norm(xs + r * d, w.data_ptr<float>(), b.data_ptr<float>(), d, eps_, h.data() + r * d);
-    };
-    for (size_t l = 0; l < params_.size(); ++l) {
-      const auto& t = params_[l];
-      const auto& [qkv_w, self_out, cross_q, cross_out, fc1, fc2] = products_[l];
-      // self-attention over the cache
-      norm(t[0], t[1]);
-      qlinear(*ops_, h.data(), rows, qkv_w, qkv.data());
-      const auto& ck = cache_k[l];
-      const auto& cv = cache_v[l];
-      TORCH_CHECK(ck.size(0) == rows && ck.stride(3) == 1 && cv.stride(3) == 1, "draft stack: bad cache");
-      float* ckp = ck.data_ptr<float>();
-      float* cvp = cv.data_ptr<float>();
-      for (int64_t r = 0; r < rows; ++r) {
-        TORCH_CHECK(writes[r] < ck.size(2) && positions[r] < ck.size(2), "draft stack: position past the cache");
-        const float* row = qkv.data() + r * 3 * d;
-        for (int64_t hh = 0; hh < heads_; ++hh) {
-          std::copy_n(row + d + hh * dh, dh, ckp + r * ck.stride(0) + hh * ck.stride(1) + writes[r] * ck.stride(2));
-          std::copy_n(row + 2 * d + hh * dh, dh, cvp + r * cv.stride(0) + hh * cv.stride(1) + writes[r] * cv.stride(2));
-        }
-      }
-      for (int64_t r = 0; r < rows; ++r)
-        attend(*ops_, qkv.data() + r * 3 * d, ck.narrow(0, r, 1), cv.narrow(0, r, 1), positions[r] + 1, heads_,
-               att.data() + r * d);
-      qlinear(*ops_, att.data(), rows, self_out, tmp.data());
-      residual();
-      // cross-attention over the audio frames
-      norm(t[10], t[11]);
-      qlinear(*ops_, h.data(), rows, cross_q, qkv.data());
-      for (int64_t r = 0; r < rows; ++r)
-        attend(*ops_, qkv.data() + r * d, cross_k[l].narrow(0, r, 1), cross_v[l].narrow(0, r, 1), cross_k[l].size(2), heads_,
-               att.data() + r * d);
-      qlinear(*ops_, att.data(), rows, cross_out, tmp.data());
-      residual();
-      // feed-forward (exact GELU, as Whisper's)
-      norm(t[20], t[21]);
-      ff.resize(static_cast<size_t>(rows * fc1.n));
-      qlinear(*ops_, h.data(), rows, fc1, ff.data());
-      for (auto& v : ff) v = 0.5f * v * (1.f + std::erf(v * static_cast<float>(M_SQRT1_2)));
-      qlinear(*ops_, ff.data(), rows, fc2, tmp.data());
-      residual();
-    }
-    return out;
-  }
-
- private:
-  std::vector<std::vector<at::Tensor>> params_;  // owns what products_ points into
-  std::vector<std::array<Packed, 6>> products_;     // per layer: qkv, self out, cross q, cross out, fc1, fc2
-  const Ops* ops_;                                  // the instruction set when built
-  int64_t heads_;
-  float eps_;
-};
+#include "draft_stack.inc"
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
