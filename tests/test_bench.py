@@ -58,6 +58,7 @@ def test_bench_reports_identical_tokens_and_ratios(benchdata: Path, tmp_path: Pa
     if cpu_runs_kernel():  # the bench checked, as a worker's warm-up does
         assert machine["batch_invariant"] is True
     assert machine["int8_kernel"] == (kernel_isa() if cpu_runs_kernel() else None)
+    assert machine["decoder_weights"] == ("float16" if cpu_runs_kernel() else "float32")  # the fp16 checkpoint's
     rss = report["peak_rss_mb"]  # each mode in its own process: the assistant's own footprint
     assert rss["main_only"] > 100 and rss["assistant_share"] == pytest.approx(
         (rss["speculative"] - rss["main_only"]) / rss["main_only"]

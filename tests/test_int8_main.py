@@ -92,6 +92,7 @@ def test_an_int8_model_holds_int8_products_and_a_quarter_of_the_bytes(store: Mod
     engine = Engine(main, self_draft(main))
     assert engine.describe()["dtype"] == engine.describe()["encoder_dtype"] == "int8"
     assert engine.describe()["int8_kernel"] == kernel_extension().isa()
+    assert engine.describe()["decoder_weights"] == "int8"
 
 
 def test_int8_where_it_cannot_run_stops_with_the_reason(store: ModelStore, monkeypatch: pytest.MonkeyPatch) -> None:

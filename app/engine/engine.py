@@ -84,20 +84,24 @@ class Engine:
     def describe(self) -> dict[str, str | int | bool | None]:
         """What this engine runs: its models, device, torch threads and dtypes ("int8" for int8 linear layers), the
         encoder's attention kernel (timed now if the encoder has not run yet), the decoders' attention, whether the
-        warm-up found the main decoder batch-invariant (`app.engine.invariance`) and the instruction set of the
-        int8 kernel (None where neither the main model nor the draft runs on it)."""
+        warm-up found the main decoder batch-invariant (`app.engine.invariance`), how the main decoder holds its
+        weights ("float16" where its products read fp16 weights on the kernel, `app.model.halflinear`) and the
+        instruction set of the int8 kernel (None where neither the main model nor the draft runs on it)."""
+        from app.model.halflinear import holds_half
         from app.model.int8 import holds_int8
         from app.model.native import kernel_isa
 
         main, encoder = self.main, self.main.encoder
         draft_decoder = getattr(self.drafter, "decoder", None)
         on_kernel = any(holds_int8(m) for m in (main.decoder, encoder, draft_decoder))
+        dtype = "int8" if holds_int8(main.decoder) else _dtype_name(main.dtype)
         return {
             "model": main.name,
             "assistant": self.drafter.name if self.drafter is not None else None,
             "device": str(main.device),
             "threads": torch.get_num_threads(),
-            "dtype": "int8" if holds_int8(main.decoder) else _dtype_name(main.dtype),
+            "dtype": dtype,
+            "decoder_weights": "float16" if holds_half(main.decoder) else dtype,
             "encoder_dtype": None if encoder is None else "int8" if holds_int8(encoder) else _dtype_name(encoder.dtype),
             "encoder_attention": encoder.attention_in_use() if encoder is not None else None,
             "decoder_attention": main.decoder.attention_in_use(),

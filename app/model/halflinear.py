@@ -106,3 +106,8 @@ def halve_linears(module: nn.Module, skip: Callable[[str], bool] = lambda name: 
         setattr(module.get_submodule(parent), attribute, twin)
         count += 1
     return count
+
+
+def holds_half(module: nn.Module | None) -> bool:
+    """Whether any product under `module` is a `HalfLinear`."""
+    return module is not None and any(isinstance(m, HalfLinear) for m in module.modules())
