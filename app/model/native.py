@@ -1,8 +1,8 @@
 """This project's C++ kernel library for x86-64 CPUs (`csrc/`): where it comes from and how it loads.
 
 One library holds the int8 products and the one-call step of the CPU drafts (`app.engine.drafting.int8`), the
-batch-invariant attention of the decoders (`app.model.kernels.prefix_attention`) and the vocabulary projection
-over an fp16 token table (`app.model.tokentable`). It runs
+batch-invariant attention of the decoders (`app.model.kernels.prefix_attention`) and an fp32 decoder's products
+over fp16 weights (`app.model.halflinear`). It runs
 AVX-512 code where the CPU has it and AVX2 + FMA code elsewhere (`kernel_isa()`). It comes from a
 portable build made ahead of time (`python -m app kernels --install`, as the Docker image's build
 stage does, for runtimes without a compiler), else it is compiled on first use by torch's C++

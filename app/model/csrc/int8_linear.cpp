@@ -131,7 +131,7 @@ bool cpu_has_avx2_fma() {  // F16C: every AVX2 CPU has it (Intel since Ivy Bridg
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
-// The operations a draft step needs from one instruction set.
+// What each instruction set implements: the int8 products, attention and the fp16-weight products.
 struct Ops {
   const char* name;
   bool (*runs_here)();
