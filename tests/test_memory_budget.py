@@ -15,7 +15,7 @@ from app.server.worker.budget import CLIP_MARGIN
 from app.tools.manifest import ManifestClip
 from tests.server import ServerProcess, metric, openai_client, running_server, server_fixture
 
-BUDGET_MB = 1100  # Whisper base with its draft, 2 cores: ~700 MB idle, ~140 MB a clip: batches of 2
+BUDGET_MB = 1050  # Whisper base with its draft, 2 cores: ~550 MB idle, 119-152 MB a clip (x 1.2): batches of 2-3
 MAX_BATCH = 4
 
 pytestmark = pytest.mark.server

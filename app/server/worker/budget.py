@@ -4,10 +4,13 @@ stays within it.
 What a batch costs is measured here, not assumed: it follows the model, its precision and the machine's threads.
 Each clip of a batch holds its cross-attention keys and values (37 MB for Whisper base), its encoder states and its
 decoding buffers; the clips are encoded in turn, so the encoder's transient buffers are paid once. During its
-warm-up the worker measures its resident set loaded (heap trimmed) and its peak over a batch of one (a second of a
-tone); the difference is what a clip is taken to cost, with a margin (`CLIP_MARGIN`): clips of speech cost more
-than the tone's, as the decoder's buffers grow with the tokens. Measured on Whisper base with its draft, 2 cores,
-`python -m app serve`: the tone 136-148 MB, speech 148-157 MB a clip (batches of 2 and 4 LJSpeech clips). After
+warm-up the worker decodes a batch of one (a second of a tone) twice: the first pays the one-off costs (thread
+pools, kernel set-up, caches), which stay and so count as the worker's idle size; then it measures its resident
+set (heap trimmed) and its peak over the second. The difference is what a clip is taken to cost, with a margin
+(`CLIP_MARGIN`): clips of speech cost more than the tone's, as the decoder's buffers grow with the tokens.
+Measured on Whisper base with its draft, 2 cores, `python -m app serve`: the tone 119-152 MB a clip from one worker
+to the next (steady within one; the first batch of one measured 170-186 MB), speech ~144 MB a clip (a batch of 4
+LJSpeech clips peaked 1127-1132 MB, 553 MB idle: docs/deployment.md, "Memory"). After
 the warm-up the worker trims its heap again, and the budget's cap is the largest batch whose estimate fits:
 `idle + clips * clip_mb * CLIP_MARGIN <= budget`.
 
@@ -28,7 +31,7 @@ from app.server.memory import ProcessMemory, reset_peak
 
 log = logging.getLogger("specwhisper.worker")
 
-CLIP_MARGIN = 1.1  # what a clip of speech may cost over the warm-up's tone (the module doc)
+CLIP_MARGIN = 1.2  # what a clip of speech may cost over the warm-up's tone (the module doc)
 
 
 class MemoryBudgetError(ValueError):
@@ -83,6 +86,7 @@ def warm_up_within(
 
     Returns the batch sizes warmed and the plan; MemoryBudgetError where not even one clip fits, or where the peak
     cannot be measured (no `/proc`)."""
+    engine.warm_up({1})  # pays the one-off costs (thread pools, kernel set-up, caches): they stay, and count as idle
     if trim is not None:
         trim()
     loaded = ProcessMemory.of()
