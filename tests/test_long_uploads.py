@@ -251,3 +251,20 @@ def test_a_streaming_client_that_leaves_gives_its_place_back(server: ServerProce
             break
         time.sleep(0.1)
     assert server_metric(server, "specwhisper_audio_in_flight_seconds", default=-1.0) == 0
+
+
+def test_the_storm_splits_a_short_answer_by_where_it_went(server: ServerProcess, benchdata: Path) -> None:
+    """`python -m app storm` tells where a slow short upload waited from the answer's own metrics: the parts are
+    each at least 0, the worker's is the encoder's and decoder's time, and together they are the client's latency."""
+    from app.tools.storm import SPLIT_PARTS, Storm, slow_parts, where_it_waited
+
+    short = (benchdata / SHORT_CLIP).read_bytes()
+    answer = asyncio.run(Storm(server.url, short).upload(short, "short.wav"))
+    assert answer.status == 200 and answer.text.strip() == SHORT_TEXT, answer
+    split = where_it_waited(answer)
+    assert tuple(split) == SPLIT_PARTS and all(v >= 0 for v in split.values()), split
+    m = answer.metrics
+    assert split["worker"] == pytest.approx((m["encode_ms"] + m["decode_ms"]) / 1000) and split["worker"] > 0
+    assert sum(split.values()) == pytest.approx(answer.seconds, abs=1e-6), (split, answer.seconds)
+    summary = slow_parts([split, {**split, "queue": split["queue"] + 2.0}])
+    assert summary["answers"] == 2 and summary["queue"]["max"] == pytest.approx(split["queue"] + 2.0, abs=0.01)

@@ -8,6 +8,8 @@ What a stranger can send in small files: an hour of silence is a 177-kB FLAC fil
 3. the storm: `--silent` long silent uploads and `--speech` long speech uploads at once, while a client keeps
    uploading the short clip and a live session keeps streaming; every answer's status, the short clip's
    answers and latencies, the live session's finals, the whole server's peak memory (web + worker), restarts.
+   Each short answer's time is split by where it went (`where_it_waited`, from the answer's own `metrics`), and
+   the answers over `--max-slowdown` times the idle latency are summed up by part.
 
 Prints one JSON report with a verdict against the targets (`--max-memory-mb`, `--max-one-mb`, `--max-slowdown`).
 """
@@ -26,7 +28,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -90,6 +92,46 @@ def long_speech(manifest: Path, seconds: float, pause_s: float = 0.5) -> np.ndar
     return np.resize(once, int(seconds * SR))
 
 
+class Answer(NamedTuple):
+    status: int
+    seconds: float  # as the client saw it
+    text: str
+    metrics: dict[str, Any]  # the answer's `metrics` (json): queue_ms, encode_ms, decode_ms, total_ms, ...
+
+
+def where_it_waited(answer: Answer) -> dict[str, float]:
+    """An answer's time split, in s: before the serving layer (HTTP, the multipart form), in the serving layer
+    before and after its job (admission, the audio budget, reading the upload, the reply), in the worker's
+    queue, and the worker's encoder and decoder (those of the batch that ran it)."""
+    m = answer.metrics
+    total, queue = m.get("total_ms", 0.0) / 1000, m.get("queue_ms", 0.0) / 1000
+    worker = (m.get("encode_ms", 0.0) + m.get("decode_ms", 0.0)) / 1000
+    return {
+        "http": answer.seconds - total,
+        "serving": max(total - queue - worker, 0.0),
+        "queue": queue,
+        "worker": worker,
+    }
+
+
+SPLIT_PARTS = ("http", "serving", "queue", "worker")
+
+
+def slow_parts(splits: list[dict[str, float]]) -> dict[str, Any]:
+    """How many answers, and each part's mean and largest, in s."""
+    return {
+        "answers": len(splits),
+        **{
+            part: {
+                "mean": round(statistics.fmean(x[part] for x in splits), 2),
+                "max": round(max(x[part] for x in splits), 2),
+            }
+            for part in SPLIT_PARTS
+            if splits
+        },
+    }
+
+
 @dataclass
 class Storm:
     url: str
@@ -97,13 +139,14 @@ class Storm:
     short_text: str = ""
     statuses: Counter[str] = field(default_factory=Counter)
     short_latencies: list[float] = field(default_factory=list)
+    short_splits: list[dict[str, float]] = field(default_factory=list)  # `where_it_waited`, answer by answer
     short_times: list[float] = field(default_factory=list)  # when each answer came (monotonic s)
     short_wrong: int = 0
     short_statuses: Counter[str] = field(default_factory=Counter)
     live_finals: list[float] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
-    async def upload(self, data: bytes, name: str, **fields: str) -> tuple[int, float, str]:
+    async def upload(self, data: bytes, name: str, **fields: str) -> Answer:
         import httpx
 
         started = time.perf_counter()
@@ -116,18 +159,22 @@ class Storm:
                 )
         except httpx.HTTPError as exc:
             self.failures.append(f"{name}: {type(exc).__name__}: {exc}")
-            return 0, time.perf_counter() - started, ""
-        text = r.json().get("text", "") if r.status_code == 200 else r.text[:200]
-        return r.status_code, time.perf_counter() - started, text
+            return Answer(0, time.perf_counter() - started, "", {})
+        seconds = time.perf_counter() - started
+        if r.status_code != 200:
+            return Answer(r.status_code, seconds, r.text[:200], {})
+        body = r.json()
+        return Answer(r.status_code, seconds, body.get("text", ""), body.get("metrics", {}))
 
     async def short_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            status, latency, text = await self.upload(self.short, "short.wav")
-            self.short_statuses[str(status)] += 1
-            if status == 200:
-                self.short_latencies.append(latency)
+            answer = await self.upload(self.short, "short.wav")
+            self.short_statuses[str(answer.status)] += 1
+            if answer.status == 200:
+                self.short_latencies.append(answer.seconds)
+                self.short_splits.append(where_it_waited(answer))
                 self.short_times.append(round(time.monotonic(), 1))
-                self.short_wrong += text != self.short_text
+                self.short_wrong += answer.text != self.short_text
             await asyncio.sleep(0.2)
 
     async def live_loop(self, speech: np.ndarray, stop: asyncio.Event) -> None:
@@ -199,17 +246,14 @@ async def storm(args: argparse.Namespace) -> dict[str, Any]:
         whole = PeakSampler(pids)
         worker = PeakSampler(pids[1:] if web_pid else pids)
         run = Storm(url, short)
-        _, _, run.short_text = await run.upload(short, "short.wav")
-        idle = []
-        for _ in range(5):
-            _, latency, _ = await run.upload(short, "short.wav")
-            idle.append(latency)
+        run.short_text = (await run.upload(short, "short.wav")).text
+        idle = [(await run.upload(short, "short.wav")).seconds for _ in range(5)]
         idle_latency = statistics.median(idle)
         await asyncio.sleep(1.0)
         idle_web, idle_whole = web.now(), whole.now()
 
         web.reset()
-        status, one_s, _ = await run.upload(silent, "silence.flac", chunking_strategy=args.chunking)
+        status, one_s, _, _ = await run.upload(silent, "silence.flac", chunking_strategy=args.chunking)
         one = {"status": status, "seconds": round(one_s, 1), "web_peak_rise_mb": round(web.peak - idle_web, 1)}
 
         web.reset()
@@ -227,8 +271,8 @@ async def storm(args: argparse.Namespace) -> dict[str, Any]:
         storm_s = time.monotonic() - started
         stop.set()
         await asyncio.gather(*side, return_exceptions=True)
-        for status, _, _ in answers:
-            run.statuses[str(status)] += 1
+        for answer in answers:
+            run.statuses[str(answer.status)] += 1
         finals = [t for t in run.live_finals if t >= started]
         gaps = np.diff([started, *finals, started + storm_s]).tolist()
         after = httpx.get(f"{url}/health/ready", timeout=10).json()
@@ -276,7 +320,7 @@ async def storm(args: argparse.Namespace) -> dict[str, Any]:
                 "silent": args.silent,
                 "speech": args.speech,
                 "seconds": round(storm_s, 1),
-                "answers": [{"status": s, "seconds": round(t, 1)} for s, t, _ in answers],
+                "answers": [{"status": a.status, "seconds": round(a.seconds, 1)} for a in answers],
                 "server_peak_mb": round(whole.peak, 1),
                 "web_peak_mb": round(web.peak, 1),
                 "worker_peak_mb": round(worker.peak, 1),
@@ -284,11 +328,21 @@ async def storm(args: argparse.Namespace) -> dict[str, Any]:
                     "median": round(statistics.median(run.short_latencies), 3) if run.short_latencies else None,
                     "max": round(slowest, 3),
                 },
-                "short_answers": [  # (s into the storm, latency s): where a slow answer fell
-                    (round(t - started, 1), round(latency, 2))
-                    for t, latency in zip(run.short_times, run.short_latencies, strict=True)
+                "short_answers": [  # at_s, latency_s, then `where_it_waited`'s parts: where slow ones fell
+                    (round(t - started, 1), round(latency, 2), *(round(v, 2) for v in split.values()))
+                    for t, latency, split in zip(run.short_times, run.short_latencies, run.short_splits, strict=True)
                     if t >= started
                 ],
+                "short_answers_columns": ["at_s", "latency_s", *SPLIT_PARTS],
+                "slow_short_answers_waited_s": slow_parts(
+                    [
+                        split
+                        for t, latency, split in zip(
+                            run.short_times, run.short_latencies, run.short_splits, strict=True
+                        )
+                        if t >= started and latency > args.max_slowdown * idle_latency
+                    ]
+                ),
                 "live_finals_at_s": [round(t - started, 1) for t in finals],
                 "failures": run.failures[:5],
             },
