@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import io
 import json
+import os
 import re
 import statistics
 import tempfile
@@ -46,6 +47,15 @@ def rss_mb(pid: int) -> float:
         return 0.0
     found = re.search(r"^VmRSS:\s+(\d+)", status, re.M)
     return int(found.group(1)) / 1024 if found else 0.0
+
+
+def cpu_s(pid: int | None) -> float:
+    """CPU time a process has used so far (user + system, s); 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: the stat's 14th, 15th
 
 
 class PeakSampler:
@@ -140,6 +150,7 @@ class Storm:
     statuses: Counter[str] = field(default_factory=Counter)
     short_latencies: list[float] = field(default_factory=list)
     short_splits: list[dict[str, float]] = field(default_factory=list)  # `where_it_waited`, answer by answer
+    short_batches: list[tuple[int, bool]] = field(default_factory=list)  # each answer's batch size, and speculative
     short_times: list[float] = field(default_factory=list)  # when each answer came (monotonic s)
     short_wrong: int = 0
     short_statuses: Counter[str] = field(default_factory=Counter)
@@ -173,6 +184,9 @@ class Storm:
             if answer.status == 200:
                 self.short_latencies.append(answer.seconds)
                 self.short_splits.append(where_it_waited(answer))
+                self.short_batches.append(
+                    (answer.metrics.get("batch_size", 0), answer.metrics.get("speculative", False))
+                )
                 self.short_times.append(round(time.monotonic(), 1))
                 self.short_wrong += answer.text != self.short_text
             await asyncio.sleep(0.2)
@@ -263,12 +277,16 @@ async def storm(args: argparse.Namespace) -> dict[str, Any]:
         side = [asyncio.create_task(run.short_loop(stop)), asyncio.create_task(run.live_loop(live_audio, stop))]
         await asyncio.sleep(3.0)  # the live session under way
         started = time.monotonic()
+        cpu_before = {"web": cpu_s(web_pid), "worker": cpu_s(ready.get("worker_pid"))}
         uploads = [run.upload(silent, f"silence-{k}.flac", chunking_strategy=args.chunking) for k in range(args.silent)]
         uploads += [
             run.upload(speech, f"speech-{k}.ogg", chunking_strategy=args.speech_chunking) for k in range(args.speech)
         ]
         answers = await asyncio.gather(*uploads)
         storm_s = time.monotonic() - started
+        cpu = {
+            name: cpu_s(pid) - cpu_before[name] for name, pid in (("web", web_pid), ("worker", ready.get("worker_pid")))
+        }
         stop.set()
         await asyncio.gather(*side, return_exceptions=True)
         for answer in answers:
@@ -328,12 +346,15 @@ async def storm(args: argparse.Namespace) -> dict[str, Any]:
                     "median": round(statistics.median(run.short_latencies), 3) if run.short_latencies else None,
                     "max": round(slowest, 3),
                 },
-                "short_answers": [  # at_s, latency_s, then `where_it_waited`'s parts: where slow ones fell
-                    (round(t - started, 1), round(latency, 2), *(round(v, 2) for v in split.values()))
-                    for t, latency, split in zip(run.short_times, run.short_latencies, run.short_splits, strict=True)
+                "cpu_s": {name: round(v, 1) for name, v in cpu.items()},  # over the storm, of 2 x seconds on 2 cores
+                "short_answers": [  # `short_answers_columns`: where slow ones fell, and why
+                    (round(t - started, 1), round(latency, 2), *(round(v, 2) for v in split.values()), *batch)
+                    for t, latency, split, batch in zip(
+                        run.short_times, run.short_latencies, run.short_splits, run.short_batches, strict=True
+                    )
                     if t >= started
                 ],
-                "short_answers_columns": ["at_s", "latency_s", *SPLIT_PARTS],
+                "short_answers_columns": ["at_s", "latency_s", *SPLIT_PARTS, "batch_size", "speculative"],
                 "slow_short_answers_waited_s": slow_parts(
                     [
                         split

@@ -183,9 +183,22 @@ class ModePolicy:
         return self._verdict(known[0][1])[0] if known else None
 
     def observe(self, mode: Mode, batch: int, cost: BatchCost) -> None:
-        """Record a finished batch of `batch` rows decoded in `mode`."""
-        if cost.seconds > 0 and cost.plain_passes > 0:
-            self.rate(mode, batch).add(cost)
+        """Record a finished batch of `batch` rows decoded in `mode`.
+
+        A batch of the losing mode that comes out cheaper than the winner's estimate starts the loser's estimate
+        afresh from it: its older batches were measured under other conditions (a burst of load that made it
+        lose), and it runs too rarely (one batch in 10 or 40) for its median to follow. Under a storm of uploads,
+        speculation's window filled with batches slowed up to 10x while the web process read 20 files at once; plain
+        decoding then won for the next ~200 batches although it cost 1.5x more by then. A fluke costs little: the
+        new winner runs every batch, so its estimate soon shows its cost."""
+        if cost.seconds <= 0 or cost.plain_passes <= 0:
+            return
+        rate = self.rate(mode, batch)
+        if self._trusted(batch):
+            best, _ = self._verdict(batch)
+            if mode != best and cost.seconds / cost.plain_passes < self.rate(best, batch).value:
+                rate.recent.clear()
+        rate.add(cost)
 
     def estimates(self) -> list[Estimate]:
         """Current estimates, by batch size then mode (samples 0: looked up but not measured yet)."""
