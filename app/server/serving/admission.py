@@ -6,10 +6,13 @@ on a thread kept for them, so a short upload is read at once, whatever long ones
 one of `threads` long places, given in the order the requests came, and its steps run on `threads` threads,
 the step of the request that has used the least time first: long uploads then finish one after another,
 holding their decoders' buffers one at a time, rather than all advancing together and all finishing last.
-Those threads run at a lower OS priority (`BACKGROUND_NICE`): the worker's threads take the cores first. (On a
-2-core machine an upload thread at equal priority took a core from the worker's two OpenMP threads, each of
-whose parallel regions then waited for a time slice; and a short upload waiting for a long one's step, slowed
-by its low priority, waited up to 14 s.)
+All these threads run at a lower OS priority (`BACKGROUND_NICE`): the worker's threads take the cores first.
+(On a 2-core machine an upload thread at equal priority took a core from the worker's two OpenMP threads, each
+of whose parallel regions then waited for a time slice; and a short upload waiting for a long one's step, slowed
+by its low priority, waited up to 14 s. The first thread too: 20 long uploads arriving at once spent ~20 s of
+it at equal priority, and short uploads' batches meanwhile took 4-6x their time in the worker, 7 answers over
+3x their idle latency in the storm's first 25 s, against 1 at +10; a 60-s Opus upload's own reading, with the
+worker busy, then takes 0.8-1.9 s instead of 0.5-0.6, its answer about as soon: `python -m app storm`.)
 
 `AudioBudget` admits uploads by the seconds of audio they hold at once: a chunked upload holds a few chunks and
 blocks, whatever its length; a single-block upload holds all of it (decoded in the worker). A request that does
@@ -111,14 +114,14 @@ class _Threads:
 
 
 class FairShare:
-    """Threads for the uploads' blocking steps. A request's first `QUANTUM_S` of steps run on a thread of their own
-    at the process's priority (a short upload is read at once, whatever long ones do); the rest on `threads`
-    threads at a lower one, given to the waiting step whose request has used the least time, and only to requests
-    holding one of `threads` long places."""
+    """Threads for the uploads' blocking steps, all below the process's priority (`BACKGROUND_NICE`). A request's
+    first `QUANTUM_S` of steps run on a thread of their own (a short upload is read at once, whatever long ones
+    do); the rest on `threads` threads, given to the waiting step whose request has used the least time, and only
+    to requests holding one of `threads` long places."""
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
-        self._first = _Threads(1, "upload-first", 0)
+        self._first = _Threads(1, "upload-first", BACKGROUND_NICE)
         self._rest = _Threads(threads, "upload", BACKGROUND_NICE)
         self._arrivals = itertools.count()
         self._long: set[int] = set()  # the orders of the accounts holding a long place
