@@ -220,8 +220,8 @@ class Engine:
                     jobs = [self._job(tone, options) for _ in range(batch)]
                     self._decode(jobs, [0.0] * batch, inputs, list(range(batch)))
             self.check_batch_invariance(encoder_out, rows=max(sizes))
-        # Each answer's token log-probabilities carry the tokens' bytes, from a table built with transformers
-        # (imported in ~1 s): built here, not during the first request.
+        # Each answer's token log-probabilities carry the tokens' bytes, from the tokenizer's byte table: built
+        # here, not during the first request.
         self.main.tokenizer.token_bytes(self.main.tokenizer.encode(" a")[0])
         return sizes
 

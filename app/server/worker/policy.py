@@ -75,6 +75,10 @@ class _Rate:
         """Batches in the estimate."""
         return len(self.recent)
 
+    def restart(self) -> None:
+        """Forget the batches in the estimate (the next one starts it afresh)."""
+        self.recent.clear()
+
     def add(self, cost: BatchCost) -> None:
         self.seen += 1
         if self.seen == 1 and not self.warm:
@@ -197,7 +201,7 @@ class ModePolicy:
         if self._trusted(batch):
             best, _ = self._verdict(batch)
             if mode != best and cost.seconds / cost.plain_passes < self.rate(best, batch).value:
-                rate.recent.clear()
+                rate.restart()
         rate.add(cost)
 
     def estimates(self) -> list[Estimate]:
