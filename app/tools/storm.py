@@ -20,11 +20,8 @@ import argparse
 import asyncio
 import io
 import json
-import os
-import re
 import statistics
 import tempfile
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -34,53 +31,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from app.tools.process import ServerProcess, add_server_arguments, print_verdict
+from app.tools.usage import PeakSampler, cpu_s
 
 SR = 16000
 SHORT_CLIP = "whisper/jfk"
-
-
-def rss_mb(pid: int) -> float:
-    """Resident memory of a live process (MB); 0 once it is gone."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return 0.0
-    found = re.search(r"^VmRSS:\s+(\d+)", status, re.M)
-    return int(found.group(1)) / 1024 if found else 0.0
-
-
-def cpu_s(pid: int | None) -> float:
-    """CPU time a process has used so far (user + system, s); 0 once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: the stat's 14th, 15th
-
-
-class PeakSampler:
-    """Samples the total resident memory of some processes every 20 ms in a thread; `peak` since `reset`."""
-
-    def __init__(self, pids: list[int]) -> None:
-        self.pids = pids
-        self.peak = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.02):
-            self.peak = max(self.peak, sum(rss_mb(p) for p in self.pids))
-
-    def now(self) -> float:
-        return sum(rss_mb(p) for p in self.pids)
-
-    def reset(self) -> None:
-        self.peak = self.now()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def encoded(samples: np.ndarray, container: str = "FLAC", codec: str = "PCM_16") -> bytes:
