@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import os
-import re
 import threading
 from pathlib import Path
+
+from app.server.memory import ProcessMemory
 
 
 def rss_mb(pid: int) -> float:
     """Resident memory of a live process (MB); 0 once it is gone."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return 0.0
-    found = re.search(r"^VmRSS:\s+(\d+)", status, re.M)
-    return int(found.group(1)) / 1024 if found else 0.0
+    memory = ProcessMemory.of(pid)
+    return memory.rss_mb if memory is not None else 0.0
 
 
 def cpu_s(pid: int | None) -> float:
