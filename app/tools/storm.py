@@ -102,10 +102,7 @@ class Storm:
     short: bytes
     short_text: str = ""
     statuses: Counter[str] = field(default_factory=Counter)
-    short_latencies: list[float] = field(default_factory=list)
-    short_splits: list[dict[str, float]] = field(default_factory=list)  # `where_it_waited`, answer by answer
-    short_batches: list[tuple[int, bool]] = field(default_factory=list)  # each answer's batch size, and speculative
-    short_times: list[float] = field(default_factory=list)  # when each answer came (monotonic s)
+    short_answers: list[tuple[float, Answer]] = field(default_factory=list)  # the 200s, each with when it came
     short_wrong: int = 0
     short_statuses: Counter[str] = field(default_factory=Counter)
     live_finals: list[float] = field(default_factory=list)
@@ -136,12 +133,7 @@ class Storm:
             answer = await self.upload(self.short, "short.wav")
             self.short_statuses[str(answer.status)] += 1
             if answer.status == 200:
-                self.short_latencies.append(answer.seconds)
-                self.short_splits.append(where_it_waited(answer))
-                self.short_batches.append(
-                    (answer.metrics.get("batch_size", 0), answer.metrics.get("speculative", False))
-                )
-                self.short_times.append(round(time.monotonic(), 1))
+                self.short_answers.append((round(time.monotonic(), 1), answer))
                 self.short_wrong += answer.text != self.short_text
             await asyncio.sleep(0.2)
 
@@ -250,7 +242,9 @@ async def storm(args: argparse.Namespace) -> dict[str, Any]:
         after = httpx.get(f"{url}/health/ready", timeout=10).json()
         for sampler in (web, worker, whole):
             sampler.stop()
-        slowest = max(run.short_latencies, default=float("inf"))
+        latencies = [a.seconds for _, a in run.short_answers]
+        slowest = max(latencies, default=float("inf"))
+        during = [(t - started, a) for t, a in run.short_answers if t >= started]
         checks = {
             "one_upload_web_rise_mb": {
                 "value": one["web_peak_rise_mb"],
@@ -263,7 +257,7 @@ async def storm(args: argparse.Namespace) -> dict[str, Any]:
             },
             "short_uploads_correct": {
                 "value": {"answers": dict(run.short_statuses), "wrong": run.short_wrong},
-                "ok": run.short_wrong == 0 and set(run.short_statuses) <= {"200"} and bool(run.short_latencies),
+                "ok": run.short_wrong == 0 and set(run.short_statuses) <= {"200"} and bool(latencies),
             },
             "short_upload_slowdown": {
                 "value": round(slowest / idle_latency, 2),
@@ -297,26 +291,23 @@ async def storm(args: argparse.Namespace) -> dict[str, Any]:
                 "web_peak_mb": round(web.peak, 1),
                 "worker_peak_mb": round(worker.peak, 1),
                 "short_latency_s": {
-                    "median": round(statistics.median(run.short_latencies), 3) if run.short_latencies else None,
+                    "median": round(statistics.median(latencies), 3) if latencies else None,
                     "max": round(slowest, 3),
                 },
                 "cpu_s": {name: round(v, 1) for name, v in cpu.items()},  # over the storm, of 2 x seconds on 2 cores
                 "short_answers": [  # `short_answers_columns`: where slow ones fell, and why
-                    (round(t - started, 1), round(latency, 2), *(round(v, 2) for v in split.values()), *batch)
-                    for t, latency, split, batch in zip(
-                        run.short_times, run.short_latencies, run.short_splits, run.short_batches, strict=True
+                    (
+                        round(at, 1),
+                        round(a.seconds, 2),
+                        *(round(v, 2) for v in where_it_waited(a).values()),
+                        a.metrics.get("batch_size", 0),
+                        a.metrics.get("speculative", False),
                     )
-                    if t >= started
+                    for at, a in during
                 ],
                 "short_answers_columns": ["at_s", "latency_s", *SPLIT_PARTS, "batch_size", "speculative"],
                 "slow_short_answers_waited_s": slow_parts(
-                    [
-                        split
-                        for t, latency, split in zip(
-                            run.short_times, run.short_latencies, run.short_splits, strict=True
-                        )
-                        if t >= started and latency > args.max_slowdown * idle_latency
-                    ]
+                    [where_it_waited(a) for _, a in during if a.seconds > args.max_slowdown * idle_latency]
                 ),
                 "live_finals_at_s": [round(t - started, 1) for t in finals],
                 "failures": run.failures[:5],
