@@ -9,7 +9,14 @@ import time
 
 import pytest
 
-from app.server.serving.admission import Account, AudioBudget, FairShare, OverBudget
+from app.server.serving.admission import QUANTUM_S, Account, AudioBudget, FairShare, OverBudget
+
+
+def _work(seconds: float) -> None:
+    """Use `seconds` of the calling thread's CPU time (a request's steps are counted in CPU time, not wall time)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
 
 
 def test_a_fresh_request_s_step_goes_before_long_ones_next_steps() -> None:
@@ -22,7 +29,7 @@ def test_a_fresh_request_s_step_goes_before_long_ones_next_steps() -> None:
 
         def step(name: str) -> None:
             assert running.acquire(blocking=False), "two steps ran at once on one thread"
-            time.sleep(0.02)
+            _work(0.02)
             order.append(name)
             running.release()
 
@@ -32,7 +39,8 @@ def test_a_fresh_request_s_step_goes_before_long_ones_next_steps() -> None:
                 await share.run(account, lambda: step(name))
 
         longs = [asyncio.create_task(upload(name, 8)) for name in ("a", "b")]
-        await asyncio.sleep(0.07)
+        while len(order) < 3:  # each long one has used some time
+            await asyncio.sleep(0.005)
         arrived = len(order)
         await upload("short", 1)
         await asyncio.gather(*longs)
@@ -72,6 +80,31 @@ def test_past_their_first_second_long_uploads_run_one_after_another() -> None:
     order = asyncio.run(main())
     assert order.index("fresh") <= 2, order
     assert [name for name in order if name != "fresh"] == ["first"] * 4 + ["second"] * 4, order
+
+
+def test_a_request_s_time_is_its_cpu_time_not_the_time_its_steps_waited() -> None:
+    """Steps slowed by something else (here: asleep, using no CPU) for longer than the first second in all keep a
+    request on the first thread: it does not wait for the long place, which a long upload holds meanwhile (for
+    4 s). Steps that compute are counted in full."""
+
+    async def main() -> tuple[Account, Account, float]:
+        share = FairShare(1)
+        holder, slowed, working = share.account(), share.account(), share.account()
+        holder.used = 2.0
+        await share.run(holder, lambda: None)  # takes the one long place, and keeps it until it leaves
+        asyncio.get_running_loop().call_later(4 * QUANTUM_S, share.leave, holder)
+        started = time.perf_counter()
+        for _ in range(3):
+            await share.run(slowed, lambda: time.sleep(QUANTUM_S / 2))
+        took = time.perf_counter() - started
+        await share.run(working, lambda: _work(0.1))
+        share.close()
+        return slowed, working, took
+
+    slowed, working, took = asyncio.run(main())
+    assert took < 2.5 * QUANTUM_S, f"waited for the long place: {took:.1f} s"
+    assert slowed.used < 0.1 * QUANTUM_S
+    assert working.used >= 0.1
 
 
 def test_a_cancelled_step_keeps_its_thread_until_it_ends() -> None:

@@ -6,6 +6,9 @@ on a thread kept for them, so a short upload is read at once, whatever long ones
 one of `threads` long places, given in the order the requests came, and its steps run on `threads` threads,
 the step of the request that has used the least time first: long uploads then finish one after another,
 holding their decoders' buffers one at a time, rather than all advancing together and all finishing last.
+A request's time is the CPU time of its steps, not their wall time: a step slowed by the worker's threads (which
+come first) costs its request no more of its share, so a short upload is not pushed out of its first second,
+behind long ones, because the worker was busy while it was read.
 All these threads run at a lower OS priority (`BACKGROUND_NICE`): the worker's threads take the cores first.
 (On a 2-core machine an upload thread at equal priority took a core from the worker's two OpenMP threads, each
 of whose parallel regions then waited for a time slice; and a short upload waiting for a long one's step, slowed
@@ -39,7 +42,7 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-QUANTUM_S = 1.0  # thread time a request gets on the first thread, before it needs a long place
+QUANTUM_S = 1.0  # CPU time a request gets on the first thread, before it needs a long place
 BACKGROUND_NICE = 10  # the upload threads' niceness, added to the process's
 
 
@@ -55,7 +58,7 @@ def lower_priority(nice: int = BACKGROUND_NICE) -> None:
 
 @dataclass
 class Account:
-    """One request's use of the upload threads (seconds); `order`: when it came (`FairShare.account`)."""
+    """One request's use of the upload threads (CPU seconds); `order`: when it came (`FairShare.account`)."""
 
     used: float = 0.0
     order: int = 0
@@ -145,11 +148,11 @@ class FairShare:
             threads = self._rest
 
         def timed() -> T:
-            started = time.perf_counter()
+            started = time.thread_time()
             try:
                 return step()
             finally:
-                account.used += time.perf_counter() - started
+                account.used += time.thread_time() - started
 
         return await threads.run(account.used, timed)
 
