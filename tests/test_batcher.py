@@ -95,7 +95,7 @@ class HeldWorker:
     def check_ready(self) -> None:
         return None
 
-    async def run(self, jobs: list[Job], on_progress: Any = None, *, hosts: bool = False) -> list[JobResult]:
+    async def run(self, jobs: list[Job], on_progress: Any = None) -> list[JobResult]:
         self.ran.append([job.request_id for job in jobs])
         await self.release.wait()
         self.release.clear()
@@ -186,7 +186,7 @@ class StoppingWorker(HeldWorker):
         if keep:
             self.kept.add(request_id)
 
-    async def run(self, jobs: list[Job], on_progress: Any = None, *, hosts: bool = False) -> list[JobResult]:
+    async def run(self, jobs: list[Job], on_progress: Any = None) -> list[JobResult]:
         await super().run(jobs, on_progress)
         zero = Metrics(0.0, 0.0, 0.0, 0.0, 0, 0, 0, 0.0, 0, 0, 0.0, 0.0, False, batch_size=0, windows=0)
         stopped = Transcription("", [], None, None, 0.0, [], "cancelled", zero)
@@ -313,7 +313,6 @@ class NestingWorker:
         self.ran: list[list[str]] = []
         self.cancelled: list[str] = []
         self.releases: dict[str, asyncio.Event] = {}
-        self.hosting: list[bool] = []  # each batch's `hosts`
 
     def check_ready(self) -> None:
         return None
@@ -321,9 +320,8 @@ class NestingWorker:
     def release(self, first: str) -> None:
         self.releases[first].set()
 
-    async def run(self, jobs: list[Job], on_progress: Any = None, *, hosts: bool = False) -> list[JobResult]:
+    async def run(self, jobs: list[Job], on_progress: Any = None) -> list[JobResult]:
         self.ran.append([job.request_id for job in jobs])
-        self.hosting.append(hosts)
         event = self.releases.setdefault(jobs[0].request_id, asyncio.Event())
         await event.wait()
         return [JobResult(job.request_id, error="not decoded here") for job in jobs]
@@ -370,41 +368,6 @@ def test_short_jobs_run_inside_a_batch_of_long_uploads() -> None:
         await _until(lambda: len(worker.ran) == 5)
         assert worker.ran[4] == ["p"]
         worker.release("p")
-        await batcher.drain(1.0)
-
-    asyncio.run(run())
-
-
-def test_an_upload_runs_inside_a_batch_of_partials_and_a_final_still_stops_them() -> None:
-    """A short upload that arrives while live partials run goes inside their batch at once, rather than wait for
-    them; a final that arrives then is not put inside: the partials are refused and stopped for it, and it runs on
-    its own once their batch ends. A batch holding an upload or a final hosts nothing."""
-
-    async def run() -> None:
-        worker, metrics = NestingWorker(), ServerMetrics()
-        batcher = Batcher(worker, metrics, max_batch=4, window_s=0.0, queue_size=16)  # type: ignore[arg-type]
-        batcher.start()
-        partial = batcher.submit(_job("p"), Lane.LIVE_PARTIAL)
-        await _until(lambda: worker.ran == [["p"]])
-        upload = batcher.submit(_job("u"), Lane.UPLOAD)
-        await _until(lambda: len(worker.ran) == 2)
-        assert worker.ran[1] == ["u"] and worker.hosting == [True, False]  # inside the partials' batch
-        worker.release("u")
-        await _until(lambda: upload.future.done())
-        assert not partial.future.done() and metrics.inner_batches._value.get() == 1
-
-        final = batcher.submit(_job("f"), Lane.LIVE_FINAL)
-        later = batcher.submit(_job("u2"), Lane.UPLOAD)
-        assert isinstance(partial.future.exception(), Preempted)
-        await _until(lambda: worker.cancelled == ["p"])
-        await asyncio.sleep(0.05)
-        assert len(worker.ran) == 2  # neither goes inside the stopped partials
-        worker.release("p")
-        await _until(lambda: len(worker.ran) == 3)
-        assert worker.ran[2] == ["f", "u2"] and worker.hosting[2] is False
-        worker.release("f")
-        await _until(lambda: final.future.done() and later.future.done())
-        assert metrics.inner_batches._value.get() == 1
         await batcher.drain(1.0)
 
     asyncio.run(run())

@@ -294,9 +294,7 @@ def test_a_batch_that_comes_runs_inside_a_batch_of_long_uploads(
         return inner if len(asked) == 3 else None
 
     runner = BatchRunner(engine, ModePolicy(), send=sent.append, waiting=waiting)
-    outer = runner.run(
-        BatchRequest(1, [Job("long", long_audio, DecodingOptions(language="de"), background=True)], hosts=True)
-    )
+    outer = runner.run(BatchRequest(1, [Job("long", long_audio, DecodingOptions(language="de"), background=True)]))
     answers = [m for m in sent if isinstance(m, BatchResult)]
     assert [a.batch_id for a in answers] == [2]  # sent from inside the long batch, before its own answer
     (short,) = answers[0].results
@@ -307,4 +305,4 @@ def test_a_batch_that_comes_runs_inside_a_batch_of_long_uploads(
 
     asked.clear()
     runner.run(BatchRequest(3, [Job("short2", short_audio, DecodingOptions(language="en"))]))
-    assert asked == []  # not a batch that hosts: nothing runs inside it
+    assert asked == []  # not a batch of long uploads' jobs: nothing runs inside it

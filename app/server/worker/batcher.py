@@ -19,9 +19,7 @@ on where they were (`BatchRunner.waiting`). Where there is no room (a `max_batch
 budget), it preempts them instead: they are stopped in the worker, queued again at the head of their
 lane (not refused), run again from their start, and are not preempted a second time; a resumed job
 (its earlier windows kept in the worker) or a streamed one (it would send its segments twice) is never
-stopped. An upload that arrives while a batch of partials runs goes inside it the same way, rather than wait for
-a re-transcription nobody waits on (under a storm of long uploads, short uploads waited up to a second behind a
-live session's partials).
+stopped.
 
 With a worker memory budget (`app.server.worker.budget`), no batch holds more clips than the budget allows
 (`memory_cap`), whatever its lane.
@@ -75,7 +73,7 @@ class Batcher:
         self.max_queued_samples = max_queued_samples
         self.lanes: dict[Lane, deque[Pending]] = {lane: deque() for lane in Lane}
         self.running: list[Pending] = []  # the batch the worker runs
-        self.inner: list[Pending] = []  # short jobs the worker runs inside `running` (`_hosts`)
+        self.inner: list[Pending] = []  # short jobs the worker runs inside `running` (a batch of long uploads' jobs)
         self._nesting: asyncio.Future[None] | None = None  # sends the inner batches while `running` runs
         self.batch_seconds = 1.0  # moving average of a batch's run time: what a 429's Retry-After is based on
         self._arrived = asyncio.Event()
@@ -122,7 +120,7 @@ class Batcher:
         if lane is Lane.LIVE_FINAL:
             self._preempt_partials()
         if lane is not Lane.LIVE_PARTIAL and not job.background:
-            self._make_room()
+            self._preempt_background()
         self._arrived.set()
         self.metrics.queue_depth.set(self.depth)
         return pending
@@ -137,25 +135,17 @@ class Batcher:
                 self.metrics.partials_preempted.inc()
                 self._send_cancel(p.job.request_id)
 
-    @staticmethod
-    def _hosts(batch: list[Pending]) -> bool:
-        """Whether short jobs may run inside this batch: it holds long uploads' jobs only, or live partials only."""
-        return all(p.job.background for p in batch) or all(p.lane is Lane.LIVE_PARTIAL for p in batch)
-
-    def _make_room(self) -> None:
-        """A short job is waiting while a batch that hosts runs: it runs inside that batch where the worker has room
-        for it (`_nest`); else a batch of long uploads' jobs is stopped, if all its jobs may be (they queue again when
-        the worker answers). Inside partials only uploads go: a final stops them instead (`_preempt_partials`)."""
-        if not self.running or not self._hosts(self.running):
-            return
-        background = all(p.job.background for p in self.running)
-        if not background and self.lanes[Lane.LIVE_FINAL]:
+    def _preempt_background(self) -> None:
+        """A short job is waiting while a batch of long uploads' jobs runs: it runs inside that batch where the worker
+        has room for it (`_nest`); else the batch is stopped, if all its jobs may be (they queue again when the worker
+        answers)."""
+        if not self.running or not all(p.job.background for p in self.running):
             return
         if self._room_inside() > 0:
             if self._nesting is None or self._nesting.done():
                 self._nesting = asyncio.ensure_future(self._nest())
             return
-        if not background or not all(p.preemptible and not p.future.done() for p in self.running):
+        if not all(p.preemptible and not p.future.done() for p in self.running):
             return
         for p in self.running:
             p.preempted = True
@@ -168,8 +158,8 @@ class Batcher:
         return most - len(self.running)
 
     async def _nest(self) -> None:
-        """While a batch that hosts runs, send the short jobs waiting, a batch at a time, to run in it."""
-        while self.running and self._hosts(self.running) and not self._closed:
+        """While a batch of long uploads' jobs runs, send the short jobs waiting, a batch at a time, to run in it."""
+        while self.running and all(p.job.background for p in self.running) and not self._closed:
             batch = self._take_short(self._room_inside())
             if not batch:
                 return
@@ -181,14 +171,10 @@ class Batcher:
                 self.inner = []
 
     def _take_short(self, room: int) -> list[Pending]:
-        """Up to `room` waiting jobs that are not long uploads' (finals, then uploads; no partials), by lane order;
-        inside partials, uploads only (a final waiting goes next, on its own: the partials are stopped for it)."""
+        """Up to `room` waiting jobs that are not long uploads' (finals, then uploads; no partials), by lane order."""
         batch: list[Pending] = []
         rows = 0
-        among_partials = not all(p.job.background for p in self.running)
         while len(batch) < room:
-            if among_partials and self.lanes[Lane.LIVE_FINAL]:
-                break
             item = self._take(Lane.LIVE_PARTIAL)
             if item is None:
                 break
@@ -331,16 +317,15 @@ class Batcher:
                 continue
             self.running = batch
             try:
-                await self._dispatch(batch, hosts=self._hosts(batch))
+                await self._dispatch(batch)
             finally:
                 self.running = []
                 if self._nesting is not None:  # its last batch, sent as this one ended, is answered first
                     await asyncio.wait([self._nesting])  # (never raises for how it ended; not cancelled with us)
 
-    async def _dispatch(self, batch: list[Pending], *, hosts: bool = False) -> None:
-        """Run `batch` in the worker (`hosts`: batches sent while it runs run inside it) and settle its requests:
-        answered, queued again (preempted) or to resume later (suspended), or failed with the worker's error. Never
-        raises: one batch must not stop the batcher."""
+    async def _dispatch(self, batch: list[Pending]) -> None:
+        """Run `batch` in the worker and settle its requests: answered, queued again (preempted) or to resume later
+        (suspended), or failed with the worker's error. Never raises: one batch must not stop the batcher."""
         now = time.perf_counter()
         for p in batch:
             if not p.dispatched:
@@ -349,9 +334,7 @@ class Batcher:
         self.metrics.batch_size.observe(len(batch))
         streaming = {p.job.request_id: p for p in batch if p.progress is not None}
         try:
-            results = await self.worker.run(
-                [p.job for p in batch], functools.partial(self._on_progress, streaming), hosts=hosts
-            )
+            results = await self.worker.run([p.job for p in batch], functools.partial(self._on_progress, streaming))
             self.batch_seconds = 0.8 * self.batch_seconds + 0.2 * (time.perf_counter() - now)
         except WorkerUnavailable as exc:
             for p in batch:

@@ -66,11 +66,10 @@ class BatchRunner:
     A job may ask for voice prints of its speech (`Job.prints`, for diarization): they are taken when it starts,
     by the speaker embedder (`make_embedder`, loaded on the first such job), and answered with its transcription.
 
-    A batch that comes while one that `hosts` runs (`waiting()`: the web process sends one only to go before a batch
-    of long uploads' jobs or of live partials) runs inside it, at the running batch's next heartbeat (an encoder
-    layer or a decoder pass), and is answered at once; the running batch then goes on where it was, its state
-    untouched. One level deep: a batch that comes during the inner one waits for its turn. A batch that hosted one
-    is not measured for the policy.
+    A batch that comes while one runs (`waiting()`: the web process sends one only to go before a batch of long
+    uploads' jobs) runs inside it, at the running batch's next heartbeat (an encoder layer or a decoder pass), and
+    is answered at once; the running batch then goes on where it was, its state untouched. One level deep: a batch
+    that comes during the inner one waits for its turn. A batch that hosted one is not measured for the policy.
     """
 
     def __init__(
@@ -132,7 +131,7 @@ class BatchRunner:
         self._depth += 1
         if self._depth == 1:
             self._nested = 0
-            self._hosting = batch.hosts  # the web process says which batches make room (long uploads', partials)
+            self._hosting = all(job.background for job in batch.jobs)  # only long uploads' jobs make room
         try:
             result = self._run(batch)
         finally:

@@ -60,7 +60,6 @@ class Progress:
 class BatchRequest:
     batch_id: int
     jobs: list[Job]
-    hosts: bool = False  # a batch that comes while this one runs may run inside it (`BatchRunner`)
 
 
 @dataclass(frozen=True)

@@ -229,11 +229,8 @@ class WorkerSupervisor:
         self._restart = self._loop.call_later(delay, self._spawn)
         return delay
 
-    async def run(
-        self, jobs: list[Job], on_progress: Callable[[Progress], None] | None = None, *, hosts: bool = False
-    ) -> list[JobResult]:
-        """Run one batch; `on_progress` receives the Progress messages of its streaming jobs; `hosts`: a batch sent
-        while it runs runs inside it."""
+    async def run(self, jobs: list[Job], on_progress: Callable[[Progress], None] | None = None) -> list[JobResult]:
+        """Run one batch; `on_progress` receives the Progress messages of its streaming jobs."""
         self.check_ready()
         assert self._conn is not None
         loop = asyncio.get_running_loop()
@@ -246,7 +243,7 @@ class WorkerSupervisor:
         conn = self._conn
         try:
             async with self._send_lock:
-                await asyncio.to_thread(conn.send, BatchRequest(batch_id, jobs, hosts))
+                await asyncio.to_thread(conn.send, BatchRequest(batch_id, jobs))
         except (OSError, ValueError) as exc:
             self._inflight.pop(batch_id, None)
             self._listeners.pop(batch_id, None)
