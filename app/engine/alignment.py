@@ -9,12 +9,13 @@ import numpy as np
 import torch
 
 from app.engine.decoding.batch import DecoderState
-from app.model.decoder import CrossKV
+from app.model.decoder import AttentionCapture, CrossKV
 from app.model.features import TIME_PRECISION
 from app.model.tokenizer import WhisperTokenizer
 from app.model.whisper import WhisperModel
 
 MEDIAN_FILTER_WIDTH = 7
+SOFTMAX_ROWS = 16  # the word probabilities' softmax: rows at a time
 NO_SPACE_LANGUAGES = {"zh", "ja", "th", "lo", "my", "yue"}
 PREPEND_PUNCTUATION = "\"'“¿([{-"
 APPEND_PUNCTUATION = "\"'.。,，!！?？:：”)]}、"
@@ -114,13 +115,20 @@ def align_words(
         for h in range(main.decoder.n_heads)
     )
     state = DecoderState.start(main.decoder, cross, 1)
-    captured: list[torch.Tensor] = []
+    layers = sorted({layer for layer, _ in heads})
+    captured = AttentionCapture({layer: [h for ll, h in heads if ll == layer] for layer in layers})
     feed = [*sot_sequence, tok.no_timestamps, *text_tokens, tok.eot]
     hidden, _ = state.feed([feed], captured)
-    # Probabilities among text tokens only (OpenAI's: logits up to end-of-text).
+    # Probabilities among text tokens only (OpenAI's: logits up to end-of-text), a few rows' softmax at a time (all
+    # rows' at once held a second [tokens, vocabulary] copy: ~29 MB for 140 tokens).
     logits = main.decoder.logits(hidden[0, len(sot_sequence) : len(sot_sequence) + len(text_tokens)])[:, : tok.eot]
-    probs = logits.float().softmax(-1)[torch.arange(len(text_tokens)), torch.tensor(text_tokens)].tolist()
-    scores = torch.stack([captured[layer][0, head] for layer, head in heads])  # [heads, S, T]
+    probs: list[float] = []
+    for a in range(0, len(text_tokens), SOFTMAX_ROWS):
+        rows = logits[a : a + SOFTMAX_ROWS].float().softmax(-1)
+        probs += rows[torch.arange(len(rows)), torch.tensor(text_tokens[a : a + SOFTMAX_ROWS])].tolist()
+    del logits
+    kept = {(layer, h): captured.heads[layer].index(h) for layer, h in heads}  # where each head's scores are
+    scores = torch.stack([captured.scores[layer][0, kept[layer, head]] for layer, head in heads])  # [heads, S, T]
     weights = scores[:, :, : max(1, num_frames // 2)].float().softmax(-1)  # a window may hold one mel frame
     std, mean = torch.std_mean(weights, dim=-2, keepdim=True, unbiased=False)
     weights = _median_filter((weights - mean) / std.clamp_min(1e-10), MEDIAN_FILTER_WIDTH)

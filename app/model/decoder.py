@@ -33,6 +33,17 @@ LONE_ROW_MAX_FEED = 3
 
 
 @dataclass
+class AttentionCapture:
+    """Cross-attention scores to keep from one feed (word alignment): `heads` {layer: [head, ...]}; once fed,
+    `scores` {layer: [B, len(heads), S, T]}, before the softmax. Every layer then computes its scores in full, as
+    OpenAI's alignment does, but only these heads' are kept (all six layers' of a 150-token chunk in Whisper base
+    held ~43 MB)."""
+
+    heads: dict[int, list[int]]
+    scores: dict[int, Tensor] = field(default_factory=dict)
+
+
+@dataclass
 class KVCache:
     """Self-attention keys/values per layer: [B, H, C, Dh]. Slot C-1 is a scratch slot for padding."""
 
@@ -179,11 +190,13 @@ class DecoderLayer(nn.Module):
         attention: DecoderAttention = "invariant",
         capture: list[Tensor] | None = None,
         cross_runs: list[tuple[int, int, int]] | None = None,
+        capture_heads: Sequence[int] = (),
     ) -> Tensor:
         """x [B, S, D]; lengths [B, S]: the keys each token sees (its position + 1). cross_k/cross_v [E, H, T, Dh]:
         row b reads entry b, or with `cross_runs` ((entry, first row, end row), `CrossKV.runs`) its run's entry.
 
-        `capture`, when given, receives this layer's cross-attention scores [B, H, S, T] (before the softmax).
+        `capture`, when given: the cross-attention's scores are computed in full, and those of `capture_heads`
+        appended to it [B, len(capture_heads), S, T] (before the softmax).
         """
         b, s, d = x.shape
         q, k, v = self.qkv(self.self_norm(x)).chunk(3, dim=-1)
@@ -209,7 +222,8 @@ class DecoderLayer(nn.Module):
             heads = self._heads(q)
             scale = heads.shape[-1] ** -0.25  # on both sides, as OpenAI's model computes them
             scores = (heads * scale) @ (cross_k * scale).transpose(-1, -2)
-            capture.append(scores)
+            if capture_heads:
+                capture.append(scores[:, list(capture_heads)])
             attn = (scores.softmax(-1) @ cross_v).transpose(1, 2).reshape(b, s, d)
         x = x + self.cross_out(attn)
         return x + self.fc2(F.gelu(self.fc1(self.ffn_norm(x))))
@@ -310,9 +324,10 @@ class TextDecoder(nn.Module):
         real: Tensor,
         cache: KVCache,
         cross: CrossKV,
-        capture: list[Tensor] | None = None,
+        capture: AttentionCapture | None = None,
     ) -> Tensor:
-        """Feed tokens [B, S] at positions [B, S]; `real` [B, S] is False for padding.
+        """Feed tokens [B, S] at positions [B, S]; `real` [B, S] is False for padding; `capture`: the cross-attention
+        scores to keep.
 
         Returns the final hidden states [B, S, D]; padding rows hold garbage.
         Padding is written to the cache's scratch slot and attends like the row's last real token.
@@ -343,6 +358,7 @@ class TextDecoder(nn.Module):
         write_index = write.view(b, 1, s, 1).expand(b, self.n_heads, s, head_dim)
         lengths = positions + 1  # the keys each token sees
         for i, layer in enumerate(self.layers):
+            kept: list[Tensor] | None = None if capture is None else []
             x = layer(
                 x,
                 lengths,
@@ -353,9 +369,12 @@ class TextDecoder(nn.Module):
                 cross.keys[i],
                 cross.values[i],
                 self.attention,
-                capture,
+                kept,
                 cross.runs() if cross.owners is not None else None,
+                capture.heads.get(i, ()) if capture is not None else (),
             )
+            if capture is not None and kept:
+                capture.scores[i] = kept[0]
         return self.norm(x)
 
     def logits(self, hidden: Tensor) -> Tensor:

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from app.engine.decoding.logits import LogitContext, LogitRules
-from app.model.decoder import CrossKV, KVCache, TextDecoder
+from app.model.decoder import AttentionCapture, CrossKV, KVCache, TextDecoder
 
 
 @dataclass(frozen=True)
@@ -56,10 +56,10 @@ class DecoderState:
         device = cross.keys[0].device
         return cls(decoder, decoder.new_cache(batch, decoder.dtype, device, capacity), cross, [0] * batch)
 
-    def feed(self, rows: Sequence[Sequence[int]], capture: list[Tensor] | None = None) -> tuple[Tensor, RaggedFeed]:
+    def feed(self, rows: Sequence[Sequence[int]], capture: AttentionCapture | None = None) -> tuple[Tensor, RaggedFeed]:
         """Append `rows` after what each row holds; returns hidden states [B, S, D] and the feed.
 
-        `capture` receives each layer's cross-attention scores [B, H, S, T] before the softmax (for word alignment).
+        `capture` keeps the cross-attention scores of the heads it names, before the softmax (for word alignment).
         """
         feed = RaggedFeed.build(rows, self.fed, self.cross.keys[0].device)
         hidden = self.decoder(feed.tokens, feed.positions, feed.real, self.cache, self.cross, capture)
