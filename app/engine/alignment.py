@@ -115,8 +115,7 @@ def align_words(
         for h in range(main.decoder.n_heads)
     )
     state = DecoderState.start(main.decoder, cross, 1)
-    layers = sorted({layer for layer, _ in heads})
-    captured = AttentionCapture({layer: [h for ll, h in heads if ll == layer] for layer in layers})
+    captured = AttentionCapture.of(heads)
     feed = [*sot_sequence, tok.no_timestamps, *text_tokens, tok.eot]
     hidden, _ = state.feed([feed], captured)
     # Probabilities among text tokens only (OpenAI's: logits up to end-of-text), a few rows' softmax at a time (all
@@ -127,8 +126,7 @@ def align_words(
         rows = logits[a : a + SOFTMAX_ROWS].float().softmax(-1)
         probs += rows[torch.arange(len(rows)), torch.tensor(text_tokens[a : a + SOFTMAX_ROWS])].tolist()
     del logits
-    kept = {(layer, h): captured.heads[layer].index(h) for layer, h in heads}  # where each head's scores are
-    scores = torch.stack([captured.scores[layer][0, kept[layer, head]] for layer, head in heads])  # [heads, S, T]
+    scores = torch.stack([captured.head(layer, head)[0] for layer, head in heads])  # [heads, S, T]
     weights = scores[:, :, : max(1, num_frames // 2)].float().softmax(-1)  # a window may hold one mel frame
     std, mean = torch.std_mean(weights, dim=-2, keepdim=True, unbiased=False)
     weights = _median_filter((weights - mean) / std.clamp_min(1e-10), MEDIAN_FILTER_WIDTH)

@@ -42,6 +42,18 @@ class AttentionCapture:
     heads: dict[int, list[int]]
     scores: dict[int, Tensor] = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, pairs: Sequence[tuple[int, int]]) -> AttentionCapture:
+        """To keep the scores of these (layer, head) pairs."""
+        heads: dict[int, list[int]] = {}
+        for layer, head in pairs:
+            heads.setdefault(layer, []).append(head)
+        return cls(heads)
+
+    def head(self, layer: int, head: int) -> Tensor:
+        """One kept head's scores, once fed: [B, S, T]."""
+        return self.scores[layer][:, self.heads[layer].index(head)]
+
 
 @dataclass
 class KVCache:
