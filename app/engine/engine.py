@@ -192,7 +192,7 @@ class Engine:
         """A job's transcription, once `done`: `total_s` its time in the engine, `batch` its last batch's size."""
         return job.result(total_s, batch, speculative=self._speculative(job))
 
-    def warm_up(self, batch_sizes: Iterable[int]) -> frozenset[int]:
+    def warm_up(self, batch_sizes: Iterable[int], *, check: bool = True) -> frozenset[int]:
         """Decode one second of a tone in each mode at each of `batch_sizes`; returns the sizes warmed.
 
         First calls pay one-off costs (thread pools, kernel set-up, allocator growth, wider caches),
@@ -202,8 +202,9 @@ class Engine:
         batch of four took only 0.25 s (6%) longer than the next, while each batch-of-four pass of
         warm-up had cost ~4.5 s on a 2-core machine.
 
-        Then it checks whether the main decoder is batch-invariant here (`check_batch_invariance`), and loads the
-        tokens' byte table.
+        Then (unless `check` is False: a warm-up that measures, and is followed by another) it checks whether the
+        main decoder is batch-invariant here at the widest of `batch_sizes` (`check_batch_invariance`), and loads
+        the tokens' byte table.
         """
         tone = _tone()
         sizes = frozenset(batch_sizes)
@@ -219,7 +220,8 @@ class Engine:
                     options = DecodingOptions(language="en", use_assistant=use)
                     jobs = [self._job(tone, options) for _ in range(batch)]
                     self._decode(jobs, [0.0] * batch, inputs, list(range(batch)))
-            self.check_batch_invariance(encoder_out, rows=max(sizes))
+            if check:
+                self.check_batch_invariance(encoder_out, rows=max(sizes))
         # Each answer's token log-probabilities carry the tokens' bytes, from the tokenizer's byte table: built
         # here, not during the first request.
         self.main.tokenizer.token_bytes(self.main.tokenizer.encode(" a")[0])
