@@ -27,7 +27,8 @@ FIELDS = ("throughput_audio_s_per_s", "p50_ms", "p95_ms", "wer", "errors", "peak
 @pytest.mark.server
 def test_peerbench_drives_every_server_with_the_same_load(benchdata: Path, tmp_path: Path) -> None:
     out_json, out_png = tmp_path / "peers.json", tmp_path / "peers.png"
-    args = ("--clients", "1,2", "--sessions", "1,2", "--clips", "2", "--requests", "4", "--live-clips", "1")
+    # Two upload levels (the report across levels); one live level: WhisperLive's two-session level alone took ~45 s.
+    args = ("--clients", "1,2", "--sessions", "1", "--clips", "2", "--requests", "4", "--live-clips", "1")
     done = run_app("peerbench", "--manifest", str(benchdata / "manifest.jsonl"), *args,
                    "--json", str(out_json), "--plot", str(out_png), timeout=1500)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
@@ -48,26 +49,20 @@ def test_peerbench_drives_every_server_with_the_same_load(benchdata: Path, tmp_p
 
     # Live audio through each server's own protocol.
     assert servers["faster-whisper-server"]["live"] == {}  # it has no live protocol
-    # Every server's live level is reported whole. Ours must give every utterance its final, heard as well as
-    # uploaded, at every level; so must WhisperLive with one session, which shows that we read its protocol. With
-    # two sessions on two busy cores WhisperLive itself drops one now and then (CI: a session's error, or an
-    # utterance without its final, twice in three runs): there one final must come, and the level is reported.
+    # Each server's live level is reported whole, and every utterance has its final, heard as well as uploaded:
+    # for WhisperLive that shows that we read its protocol.
     for name in ("specwhisper", "whisperlive"):
-        assert set(servers[name]["live"]) == {"1", "2"}, name
-        for key, level in servers[name]["live"].items():
-            strict = name == "specwhisper" or key == "1"
-            assert level["utterances"] == level["sessions"], (name, level)
-            if strict:
-                assert level["missing_finals"] == 0 and level["errors"] == 0, (name, level)
-                assert 0 < level["p50_ms"] <= level["p95_ms"] and level["wer"] < 0.3, (name, level)
-            else:
-                assert level["missing_finals"] < level["utterances"], (name, level)
-            assert level["first_partial_p50_ms"] is not None, (name, level)
-            assert all(level[field] is not None for field in FIELDS), (name, level)
+        assert set(servers[name]["live"]) == {"1"}, name
+        level = servers[name]["live"]["1"]
+        assert level["utterances"] == level["sessions"] == 1, (name, level)
+        assert level["missing_finals"] == 0 and level["errors"] == 0, (name, level)
+        assert 0 < level["p50_ms"] <= level["p95_ms"] and level["wer"] < 0.3, (name, level)
+        assert level["first_partial_p50_ms"] is not None, (name, level)
+        assert all(level[field] is not None for field in FIELDS), (name, level)
 
     targets = report["targets"]
     for key in ("uploads_throughput_vs_best_peer_at_1", "uploads_throughput_vs_best_peer_at_2",
-                "live_p95_final_vs_whisperlive_at_1", "live_p95_final_vs_whisperlive_at_2"):  # fmt: skip
+                "live_p95_final_vs_whisperlive_at_1"):  # fmt: skip
         assert targets[key]["ratio"] > 0, key
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| whisperlive | 2 |" in done.stdout  # the table

@@ -24,11 +24,11 @@ import numpy as np
 import soundfile as sf
 from tqdm import tqdm
 
-from app.server.memory import ProcessMemory
 from app.tools import conversations
 from app.tools.manifest import read_manifest
 from app.tools.process import ServerProcess
 from app.tools.scrape import sample_value, scrape_metrics
+from app.tools.usage import rss_mb
 
 SR = 16000
 COLLARS = {"none": 0.0, "0.25 s": 0.5}  # pyannote's collar is the whole width: 0.5 is ±0.25 s
@@ -38,11 +38,6 @@ def _wav(audio: np.ndarray) -> bytes:
     out = io.BytesIO()
     sf.write(out, audio, SR, format="WAV", subtype="PCM_16")
     return out.getvalue()
-
-
-def _rss_mb(pid: int) -> float:
-    here = ProcessMemory.of(pid)
-    return here.rss_mb if here is not None else float("nan")
 
 
 def _worker_peak_mb(url: str) -> float:
@@ -124,7 +119,7 @@ def run_diarization_bench(manifest: Path, seconds: float = 120.0, long_minutes: 
         audio = _wav(long.audio)
         plain, plain_s = _post(server.url, audio, response_format="json", chunking_strategy="auto")
         steps.update()
-        worker_peak, web_before = _worker_peak_mb(server.url), _rss_mb(web)
+        worker_peak, web_before = _worker_peak_mb(server.url), rss_mb(web)
         diarized, diarized_s = _post(server.url, audio, response_format="diarized_json")
         steps.update()
         report["long"] = {
@@ -133,7 +128,7 @@ def run_diarization_bench(manifest: Path, seconds: float = 120.0, long_minutes: 
             "diarized_json_s": round(diarized_s, 2),
             "time_added": round(diarized_s / plain_s - 1, 4),
             "worker_peak_mb": {"json": round(worker_peak, 1), "diarized": round(_worker_peak_mb(server.url), 1)},
-            "web_rss_mb": {"json": round(web_before, 1), "diarized": round(_rss_mb(web), 1)},
+            "web_rss_mb": {"json": round(web_before, 1), "diarized": round(rss_mb(web), 1)},
             "der": der(long, diarized["segments"]),
             "text_unchanged": diarized["text"] == plain["text"],
         }

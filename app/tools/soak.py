@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from app.server.memory import ProcessMemory
 from app.tools.loadtest import Clip, add_clip_arguments, clips_from_args
 from app.tools.process import ServerProcess, add_server_arguments, print_verdict
 from app.tools.scrape import sample_value, scrape_metrics
@@ -40,7 +41,8 @@ CHUNK_S = 0.1
 def proc_stats(pid: int) -> dict[str, int]:
     """Resident memory (kB), open fds, threads and /dev/shm mappings of a live process, from /proc."""
     status = Path(f"/proc/{pid}/status").read_text()
-    rss = int(re.search(r"^VmRSS:\s+(\d+)", status, re.M).group(1))  # type: ignore[union-attr]
+    memory = ProcessMemory.of(pid)
+    rss = memory.rss // 1024 if memory is not None else 0
     threads = int(re.search(r"^Threads:\s+(\d+)", status, re.M).group(1))  # type: ignore[union-attr]
     fd_dir = Path(f"/proc/{pid}/fd")
     fds = 0
