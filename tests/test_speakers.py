@@ -134,6 +134,22 @@ def test_words_take_the_speaker_they_overlap_most_and_segments_split_between_wor
     assert SpeakerTimeline([Turn(0.0, 1.0, 0), Turn(3.0, 4.0, 1)]).speaker_of(2.6, 2.8) == 1  # the nearest turn
 
 
+def test_a_regions_pieces_cover_its_speech_and_speakers_meet_halfway() -> None:
+    """Whisper started " So" late and wrote nothing of the region's last half second: the region's first piece starts
+    with its speech and its last ends with it; where the speaker changes within the region (no pause the VAD heard),
+    the two pieces meet halfway between their words. A word outside every region keeps its own times."""
+    timeline = SpeakerTimeline([Turn(0.0, 2.0, 0), Turn(2.0, 5.0, 1), Turn(8.0, 9.0, 1)])
+    words = [_word(" So", 0.6, 1.0), _word(" yes.", 1.0, 1.8), _word(" No,", 2.2, 2.6), _word(" no.", 2.6, 3.5)]
+    speech = SpeechRegions([(0.3, 4.0)])
+    pieces = diarize([_segment(words), _segment([_word(" Hm", 8.2, 8.6)])], timeline, ["A", "B"], speech)
+    assert [(p.text, p.speaker, p.start, p.end) for p in pieces] == [
+        ("So yes.", "A", 0.3, 2.0),
+        ("No, no.", "B", 2.0, 4.0),
+        ("Hm", "B", 8.2, 8.6),
+    ]
+    assert [w.start for p in pieces for w in p.words] == [0.6, 1.0, 2.2, 2.6, 8.2]  # the words keep their times
+
+
 def test_segments_split_at_the_vads_pauses_and_keep_to_its_speech() -> None:
     """Whisper's word times stretch over a pause (here " there," ends at 2.4 s, the speech at 1.6 s): a piece
     ends where the VAD heard a pause between its words, and its times keep to the speech; a word outside every

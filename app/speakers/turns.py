@@ -4,14 +4,17 @@
 taken for that voice: half a second is too short to be a turn). `speaker_of` gives a stretch of time (a word)
 the speaker whose turns overlap it most (WhisperX's rule), else the nearest turn's. `diarize` cuts each of
 Whisper's segments between words where the speaker changes, where the VAD heard a pause (`SpeechRegions`: each word
-belongs to the region it overlaps most) or after a pause of `PAUSE_S` between words: no segment splits a word, the
-segments' texts are the transcript's, and each spans its words, from the first's start to the last's end, kept
-within its speech region (Whisper's word times stretch over the pauses around them).
+belongs to the region it overlaps most) or after a pause of `PAUSE_S` between words: no segment splits a word, and
+the segments' texts are the transcript's. A segment's times are the VAD's where it has them: the pieces of one
+speech region cover it, the first from the region's start, the last to its end, and two speakers' pieces meet
+halfway between their words (Whisper's word times stretch over the pauses around them, or start late, and speech
+it did not write is still someone's); a piece's words outside every region keep their own times.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -92,6 +95,33 @@ class SpeechRegions:
         """The region that [start, end] overlaps most, else the nearest; None without regions."""
         return self._lookup.speaker_of(start, end)
 
+    def spread(self, placed: Sequence[tuple[SpeakerSegment, int | None]]) -> list[SpeakerSegment]:
+        """Pieces in time order, each with its region (None: outside every one) -> the pieces with the times of the
+        speech they were heard in: a region's first piece from its start, its last to its end, and where the
+        speaker changes within it, the two pieces meet halfway between their words."""
+        out = []
+        for k, (piece, region) in enumerate(placed):
+            if region is None:
+                out.append(piece)
+                continue
+            start, end = piece.start, piece.end
+            before = placed[k - 1] if k > 0 and placed[k - 1][1] == region else None
+            after = placed[k + 1] if k + 1 < len(placed) and placed[k + 1][1] == region else None
+            if before is None:
+                start = min(start, self.regions[region][0])
+            elif before[0].speaker != piece.speaker:
+                start = min(start, (before[0].end + piece.start) / 2)
+            if after is None:
+                end = max(end, self.regions[region][1])
+            elif after[0].speaker != piece.speaker:
+                end = max(end, (piece.end + after[0].start) / 2)
+            out.append(dataclasses.replace(piece, start=round(start, 3), end=round(end, 3)))
+        return out
+
+    def overlaps(self, region: int, start: float, end: float) -> bool:
+        a, b = self.regions[region]
+        return min(end, b) > max(start, a)
+
     def within(self, region: int | None, start: float, end: float) -> tuple[float, float]:
         """[start, end] cut to the region, unless it lies outside it."""
         if region is None:
@@ -109,13 +139,15 @@ def diarize(
 ) -> list[SpeakerSegment]:
     """Whisper's segments cut at speaker changes and pauses between words, each piece with its speaker's name."""
     speech = speech or SpeechRegions([])
-    out: list[SpeakerSegment] = []
+    placed: list[tuple[SpeakerSegment, int | None]] = []  # each piece and its speech region
     for segment in segments:
         if not segment.text.strip():
             continue
         if not segment.words:
             speaker = timeline.speaker_of(segment.start, segment.end)
-            out.append(SpeakerSegment(segment.start, segment.end, segment.text.strip(), _name(speaker, names)))
+            placed.append(
+                (SpeakerSegment(segment.start, segment.end, segment.text.strip(), _name(speaker, names)), None)
+            )
             continue
         runs: list[tuple[tuple[int | None, int | None], list[Word]]] = []
         for word in segment.words:
@@ -127,8 +159,9 @@ def diarize(
         for (speaker, region), words in runs:
             text = "".join(w.word for w in words).strip()
             start, end = speech.within(region, words[0].start, max(words[-1].end, words[0].start))
-            out.append(SpeakerSegment(start, end, text, _name(speaker, names), tuple(words)))
-    return out
+            inside = region if region is not None and speech.overlaps(region, start, end) else None
+            placed.append((SpeakerSegment(start, end, text, _name(speaker, names), tuple(words)), inside))
+    return speech.spread(placed)
 
 
 def _name(speaker: int | None, names: Sequence[str]) -> str:
