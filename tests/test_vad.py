@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -10,7 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from app.api.types import InvalidRequestError
-from app.server.serving.chunking import CHUNK_SECONDS, Chunk, normalized, plan
+from app.server.serving.chunking import CHUNK_SECONDS, Chunk, plan
+from app.server.serving.leveling import LocalLoudness, leveled, normalized, regions_in
+from app.server.serving.speakers import SPEECH_VAD
 from app.server.serving.uploads import AUTO_VAD, UPLOAD_VAD, AudioScan, Chunking, ChunkScan
 from app.server.silero import RegionRules, TurnTracker
 from app.server.vad import WINDOW, SileroVad, VadParams, server_vad, settled_regions
@@ -254,7 +257,25 @@ def test_auto_levels_quiet_audio_for_the_vad_only_so_far(clip: Callable[[str], n
     assert 10 < np.abs(louder).max() / np.abs(quiet).max() <= 100
     assert np.array_equal(normalized(np.zeros(SR, np.float32)), np.zeros(SR, np.float32))
     loud = clip(SPEECH)
-    assert np.array_equal(normalized(loud), loud)  # never turned down
+    heard = normalized(loud)
+    assert np.all(np.abs(heard) >= np.abs(loud)) and np.abs(heard).max() == np.abs(loud).max()  # never turned down
+
+
+def test_the_vad_hears_a_quiet_voice_after_a_loud_one(vad: SileroVad, clip: Callable[[str], np.ndarray]) -> None:
+    """Levelled over the whole upload the loud voice sets the gain, and Silero did not hear the second one, 45 dB
+    down; levelled locally it does. Fed in blocks of any size, the levelled audio is the same samples."""
+    loud, quiet = clip(SPEECH), clip(SPEECH) * np.float32(10 ** (-45 / 20))
+    audio = np.concatenate([loud, np.zeros(SR, np.float32), quiet])
+    second = loud.size + SR
+    assert not any(b > second + SR for _, b in vad.regions(audio, AUTO_VAD))
+    heard = normalized(audio)
+    assert any(a < second + SR and b >= audio.size - SR for a, b in vad.regions(heard, AUTO_VAD))
+    assert np.abs(heard[: loud.size]).max() == np.abs(loud).max()  # the loud voice's loud frames as they are
+    loudness, parts, at = LocalLoudness(), [], 0
+    for size in (1, 511, 513, 20000, 7, audio.size):
+        parts.append(loudness.feed(audio[at : at + size]))
+        at += size
+    assert np.array_equal(np.concatenate([*parts, loudness.finish()]), heard)
 
 
 @pytest.mark.parametrize(
@@ -283,13 +304,15 @@ def test_an_upload_read_in_steps_gives_the_chunks_of_the_whole(
     assert len(expected) >= 3
 
     upload = EncodedAudio(buf.getvalue())
-    first = AudioScan(upload, levels=chunking.normalize)
+    first = AudioScan(upload)
     while not first.done:
         first.step()
     assert first.samples == audio.size
-    scan, found = ChunkScan(upload, lambda: vad.finder(chunking.params, CHUNK_SECONDS), first.gain), []
+    finder = functools.partial(vad.finder, chunking.params, CHUNK_SECONDS, SPEECH_VAD)
+    scan, found = ChunkScan(upload, finder, level=chunking.normalize), []
     while not scan.done:
         found += scan.step()
     assert [c for c, _ in found] == expected
     for chunk, samples in found:
-        assert np.array_equal(samples, chunk.audio(audio))
+        whole = chunk.audio(audio)
+        assert np.array_equal(samples, leveled(whole, regions_in(chunk, scan.speech)) if chunking.normalize else whole)

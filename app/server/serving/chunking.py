@@ -20,8 +20,6 @@ from app.api.audio import SAMPLE_RATE
 from app.api.types import Metrics, Segment, Transcription
 
 CHUNK_SECONDS = 30.0
-TARGET_LEVEL = 0.1  # "auto": loud frames are brought to about -20 dBFS before the VAD listens
-MAX_GAIN = 100.0  # ... by at most +40 dB
 
 
 @dataclass(frozen=True)
@@ -82,41 +80,6 @@ def plan(regions: Iterable[tuple[int, int]], max_seconds: float = CHUNK_SECONDS)
     for start, end in regions:
         yield from packer.add(start, end)
     yield from packer.finish()
-
-
-class Loudness:
-    """The level of an upload's loud frames (the 95th percentile of 32-ms RMS), from its audio fed in blocks, and
-    the gain that brings it near -20 dBFS (within 0..+40 dB): what the VAD hears under `chunking_strategy=auto`,
-    so that a quiet recording's speech still counts. Holds one number per 512 samples."""
-
-    def __init__(self) -> None:
-        self._levels: list[np.ndarray] = []
-        self._rest = np.zeros(0, dtype=np.float32)
-
-    def feed(self, audio: np.ndarray) -> None:
-        data = np.concatenate([self._rest, audio]) if self._rest.size else audio
-        n = data.size // 512
-        self._rest = data[n * 512 :].copy()
-        frames = data[: n * 512].reshape(-1, 512)
-        if n:
-            self._levels.append(np.sqrt(np.mean(frames.astype(np.float64) ** 2, axis=1)))
-
-    def gain(self) -> float:
-        if not self._levels:
-            return 1.0
-        level = float(np.percentile(np.concatenate(self._levels), 95))
-        return min(MAX_GAIN, max(1.0, TARGET_LEVEL / level)) if level > 0 else 1.0
-
-
-def amplified(audio: np.ndarray, gain: float) -> np.ndarray:
-    return audio if gain == 1.0 else np.clip(audio * gain, -1.0, 1.0).astype(np.float32)
-
-
-def normalized(audio: np.ndarray) -> np.ndarray:
-    """`audio` as the VAD hears it under `chunking_strategy=auto` (`Loudness`)."""
-    loudness = Loudness()
-    loudness.feed(audio)
-    return amplified(audio, loudness.gain())
 
 
 def _span(chunk: Chunk, start: float, end: float, duration: float) -> tuple[float, float]:

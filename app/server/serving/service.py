@@ -182,7 +182,7 @@ class TranscriptionService:
         if not req.data:
             raise errors.bad_request("The audio file is empty.", param="file", code="empty_file")
         audio = EncodedAudio(req.data, self.settings.max_audio_seconds)
-        scan = AudioScan(audio, levels=chunking is not None and chunking.normalize)
+        scan = AudioScan(audio)
         account = self.share.account()
         async with self._audio_errors(req):
             try:
@@ -216,10 +216,11 @@ class TranscriptionService:
             ) from exc
 
     def _chunk_scan(self, upload: Upload, chunking: Chunking, *, diarized: bool) -> ChunkScan:
-        """The VAD's pass over an upload; a diarized one's also finds the finer speech regions its pieces keep to."""
-        speech = SPEECH_VAD if diarized else None
+        """The VAD's pass over an upload. It also finds the finer speech regions that a diarized upload's pieces
+        keep to and that "auto" levels each chunk by (the same regions either way: diarization changes no word)."""
+        speech = SPEECH_VAD if diarized or chunking.normalize else None
         finder = functools.partial(self.vad.finder, chunking.params, CHUNK_SECONDS, speech)
-        return ChunkScan(upload.audio, finder, upload.scan.gain)
+        return ChunkScan(upload.audio, finder, level=chunking.normalize)
 
     def _chunk_results(
         self,

@@ -3,13 +3,14 @@
 An upload is kept as it came (`EncodedAudio`: an hour of FLAC is a few hundred kB, of float32 ~230 MB) and
 decoded again for each pass over it, one step of about a minute of audio at a time:
 
-1. `AudioScan` checks that all of it decodes, within the length limit, and counts its samples; under
-   `chunking_strategy=auto` it also measures its loudness (`Loudness`) for the VAD. Nothing is queued before
-   this pass has heard the whole upload, so a bad file is refused whole.
+1. `AudioScan` checks that all of it decodes, within the length limit, and counts its samples. Nothing is queued
+   before this pass has heard the whole upload, so a bad file is refused whole.
 2. A single-block upload then goes to the worker encoded; a chunked one is read by a `ChunkScan`: the VAD
    listens to it block by block, the settled speech regions are packed into chunks, and each chunk's samples
    are cut from a second decoder that follows behind (`SampleReader`), so only a block and the chunks not yet
-   decoded are held. `chunk_results` queues the chunks as they are found, a few at a time.
+   decoded are held. Under `chunking_strategy=auto` the VAD hears the audio levelled locally, and each chunk's
+   quiet voices are brought up towards its loudest (`leveling`). `chunk_results` queues the chunks as they are
+   found, a few at a time.
 
 The samples are those `decode_audio` gives for the same bytes, bit for bit, so results do not change.
 """
@@ -26,7 +27,8 @@ import numpy as np
 
 from app.api.audio import SAMPLE_RATE, EncodedAudio, SampleReader
 from app.api.types import Transcription
-from app.server.serving.chunking import CHUNK_SECONDS, Chunk, ChunkPacker, Loudness, amplified
+from app.server.serving.chunking import CHUNK_SECONDS, Chunk, ChunkPacker
+from app.server.serving.leveling import LocalLoudness, leveled, regions_in
 from app.server.vad import RegionFinder, VadParams
 
 T = TypeVar("T")
@@ -65,12 +67,11 @@ def _steps(blocks: Iterator[np.ndarray], size: int = STEP_SAMPLES) -> Iterator[n
 
 
 class AudioScan:
-    """The first pass over an upload: decodes it all (AudioError where it cannot), counts its samples and, with
-    `levels`, measures its loudness. Call `step` until `done`."""
+    """The first pass over an upload: decodes it all (AudioError where it cannot) and counts its samples. Call
+    `step` until `done`."""
 
-    def __init__(self, audio: EncodedAudio, *, levels: bool) -> None:
+    def __init__(self, audio: EncodedAudio) -> None:
         self._steps = _steps(audio.blocks())
-        self._loudness = Loudness() if levels else None
         self.samples = 0
         self.done = False
 
@@ -80,30 +81,24 @@ class AudioScan:
             self.done = True
             return
         self.samples += block.size
-        if self._loudness is not None:
-            self._loudness.feed(block)
 
     @property
     def seconds(self) -> float:
         return self.samples / SAMPLE_RATE
 
-    @property
-    def gain(self) -> float:
-        """What the VAD's input is multiplied by (1 unless `levels`)."""
-        return self._loudness.gain() if self._loudness is not None else 1.0
-
 
 class ChunkScan:
-    """The VAD's pass over an upload: each `step` decodes a block, runs the VAD (a `finder()`) over it, `gain` applied,
-    and returns the chunks that block settled, each with its samples (cut from a second decoder that follows
-    behind)."""
+    """The VAD's pass over an upload: each `step` decodes a block, runs the VAD (a `finder()`) over it, and returns
+    the chunks that block settled, each with its samples (cut from a second decoder that follows behind). With
+    `level` ("auto"), the VAD hears the audio levelled locally and each chunk's quiet voices are raised towards
+    its loudest (`leveling`: the finder must then find the finer speech regions too)."""
 
-    def __init__(self, audio: EncodedAudio, finder: Callable[[], RegionFinder], gain: float) -> None:
+    def __init__(self, audio: EncodedAudio, finder: Callable[[], RegionFinder], *, level: bool = False) -> None:
         self._steps = _steps(audio.blocks())
+        self._loudness = LocalLoudness() if level else None
         self._reader = SampleReader(audio.blocks())
         self._new_finder = finder  # called in the first step (it may wait for the VAD to load)
         self._finder: RegionFinder | None = None
-        self._gain = gain
         self._packer = ChunkPacker(CHUNK_SECONDS)
         self.done = False
 
@@ -113,13 +108,17 @@ class ChunkScan:
         block = next(self._steps, None)
         if block is None:
             self.done = True
-            regions = self._finder.finish()
+            regions = self._finder.feed(self._loudness.finish()) if self._loudness is not None else []
+            regions += self._finder.finish()
         else:
-            regions = self._finder.feed(amplified(block, self._gain))
+            regions = self._finder.feed(self._loudness.feed(block) if self._loudness is not None else block)
         chunks = [chunk for region in regions for chunk in self._packer.add(*region)]
         if self.done:
             chunks += self._packer.finish()
-        return [(c, np.concatenate([self._reader.take(start, end) for start, end in c.pieces])) for c in chunks]
+        out = [(c, np.concatenate([self._reader.take(start, end) for start, end in c.pieces])) for c in chunks]
+        if self._loudness is not None:
+            out = [(c, leveled(samples, regions_in(c, self.speech))) for c, samples in out]
+        return out
 
     @property
     def speech(self) -> list[tuple[int, int]]:
