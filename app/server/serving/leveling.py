@@ -37,7 +37,8 @@ _RANK = round(0.95 * 2 * _REACH)  # a window's loud frames: its 95th percentile 
 def _frame_levels(samples: np.ndarray) -> np.ndarray:
     """The RMS of each whole 32-ms frame of `samples`."""
     n = samples.size // FRAME
-    return np.sqrt(np.mean(np.square(samples[: n * FRAME].reshape(n, FRAME), dtype=np.float64), axis=1))
+    frames = samples[: n * FRAME].reshape(n, FRAME)
+    return np.sqrt(np.einsum("ij,ij->i", frames, frames).astype(np.float64) / FRAME)  # no copy of the samples
 
 
 def _gains(levels: np.ndarray, first: int, count: int) -> np.ndarray:
@@ -72,14 +73,14 @@ class LocalLoudness:
         return self._give(len(self._levels) - self._before, tail=True)
 
     def _give(self, frames: int, tail: bool = False) -> np.ndarray:
-        gains = _gains(self._levels, self._before, frames)
+        gains = _gains(self._levels, self._before, frames).astype(np.float32)
         size = self._held.size if tail else frames * FRAME
-        envelope = np.repeat(gains, FRAME)
-        if size > envelope.size:
-            envelope = np.concatenate([envelope, np.full(size - envelope.size, gains[-1] if gains.size else 1.0)])
         out = self._held[:size]
-        if np.any(envelope != 1.0):
-            out = np.clip(out * envelope, -1.0, 1.0).astype(np.float32)
+        if np.any(gains != 1.0):
+            envelope = np.repeat(gains, FRAME)
+            if size > envelope.size:  # the last partial frame
+                envelope = np.concatenate([envelope, np.full(size - envelope.size, gains[-1], np.float32)])
+            out = np.clip(out * envelope, -1.0, 1.0)
         self._held = self._held[size:]
         keep = min(_REACH, self._before + frames)
         self._levels = self._levels[self._before + frames - keep :]
