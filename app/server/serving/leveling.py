@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from app.api.audio import SAMPLE_RATE
 from app.server.serving.chunking import Chunk
 
 FRAME = 512  # 32 ms
@@ -30,7 +31,7 @@ HEADROOM_DB = 10.0
 MAX_GAIN = 100.0  # +40 dB
 TARGET_LEVEL = 0.1  # what the VAD hears: loud frames brought to about -20 dBFS ...
 WINDOW_S = 1.0  # ... the loud frames (95th percentile of the 32-ms RMS) within this many seconds of each frame
-_REACH = round(WINDOW_S * 16000 / FRAME)  # frames on each side
+_REACH = round(WINDOW_S * SAMPLE_RATE / FRAME)  # frames on each side
 _RANK = round(0.95 * 2 * _REACH)  # a window's loud frames: its 95th percentile (of 2 * _REACH + 1 frames)
 
 
@@ -96,11 +97,9 @@ def normalized(audio: np.ndarray) -> np.ndarray:
 
 def level(samples: np.ndarray) -> float:
     """The level of speech: the 95th percentile of its 32-ms RMS (the whole of a shorter piece)."""
-    n = samples.size // FRAME
-    if n == 0:
+    if samples.size < FRAME:
         return float(np.sqrt(np.mean(np.square(samples, dtype=np.float64)))) if samples.size else 0.0
-    frames = samples[: n * FRAME].reshape(n, FRAME).astype(np.float64)
-    return float(np.percentile(np.sqrt(np.mean(frames**2, axis=1)), 95))
+    return float(np.percentile(_frame_levels(samples), 95))
 
 
 def regions_in(chunk: Chunk, speech: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
