@@ -12,7 +12,8 @@ decoded again for each pass over it, one step of about a minute of audio at a ti
    quiet voices are brought up towards its loudest (`leveling`). `chunk_results` queues the chunks as they are
    found, a few at a time.
 
-The samples are those `decode_audio` gives for the same bytes, bit for bit, so results do not change.
+The samples are those `decode_audio` gives for the same bytes, bit for bit (then levelled under "auto"), whatever
+the steps.
 """
 
 from __future__ import annotations
