@@ -9,7 +9,6 @@ runs with the engine's drafter, if any, for the rows that ask for it.
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
@@ -25,13 +24,11 @@ from app.engine.decoding.logits import whisper_rules
 from app.engine.decoding.search import BeamOptions, BeamSearch, Decoded, Greedy, Search, best_of
 from app.engine.drafting.base import Drafter, DraftInputs
 from app.engine.generate import decode, detect_language
-from app.engine.invariance import decoder_is_batch_invariant
+from app.engine.invariance import checked_batch_invariance
 from app.engine.longform import SAMPLE_LEN, LongFormJob
 from app.model.decoder import CrossKV
 from app.model.features import INPUT_STRIDE
 from app.model.whisper import WhisperModel
-
-log = logging.getLogger(__name__)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -235,31 +232,14 @@ class Engine:
 
         encoder_out: one window's encoder states [1, 1500, D] to read (default: a second of a tone's).
         """
-        try:
-            with torch.inference_mode():
-                if encoder_out is None:
-                    features = self._job(_tone(), DecodingOptions(language="en")).features()[None]
-                    encoder_out = self.main.encode(features)
-                prompt = self.main.tokenizer.prompt("en", "transcribe")
-                cross = self.main.decoder.cross_kv(encoder_out)
-                invariant = decoder_is_batch_invariant(self.main.decoder, cross, prompt, rows)
-        except Exception:
-            log.exception("could not check whether the main decoder is batch-invariant")
-            self.batch_invariant = None
-            return None
-        attention = self.main.decoder.attention_in_use()
-        if invariant:
-            log.info("the main decoder is batch-invariant here: speculative output is main-only's bit for bit")
-        else:
-            # Expected with torch's attention (GPU, half precision, the sdpa setting); a surprise with ours.
-            log.log(
-                logging.WARNING if attention == "invariant" else logging.INFO,
-                "the main decoder is not batch-invariant here (%s attention, %s): speculative output is"
-                " main-only's token for token wherever no two logits are within rounding of each other",
-                attention, _dtype_name(self.main.dtype),
-            )  # fmt: skip
-        self.batch_invariant = invariant
-        return invariant
+
+        def states() -> torch.Tensor:
+            if encoder_out is not None:
+                return encoder_out
+            return self.main.encode(self._job(_tone(), DecodingOptions(language="en")).features()[None])
+
+        self.batch_invariant = checked_batch_invariance(self.main, states, rows)
+        return self.batch_invariant
 
     def _inputs(self, features: torch.Tensor, encoder_out: torch.Tensor, segment_frames: int) -> DraftInputs:
         """A window's cross-attention K/V and what its drafter gets, for its longest row's mel frames."""

@@ -9,12 +9,16 @@ reports it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 
 import torch
 
 from app.engine.decoding.batch import DecoderState
 from app.model.decoder import CrossKV, TextDecoder
+from app.model.whisper import WhisperModel
+
+log = logging.getLogger(__name__)
 
 # Tokens fed by each row in each pass after the prompt (0: the row sits the pass out). Together they
 # make the widths of real passes: one token (plain steps), a few, and 13 (a long verification), in
@@ -59,3 +63,28 @@ def decoder_is_batch_invariant(decoder: TextDecoder, cross: CrossKV, prompt: Seq
     return all(
         len(row) == len(alone) and all(torch.equal(a, b) for a, b in zip(alone, row, strict=True)) for row in got
     )
+
+
+def checked_batch_invariance(main: WhisperModel, states: Callable[[], torch.Tensor], rows: int) -> bool | None:
+    """`decoder_is_batch_invariant` for the main model, reading one window's encoder states (`states()`: [1, 1500,
+    D]), with the answer logged; None (logged too) where the check fails to run: it is a diagnosis, not a reason to
+    stop serving."""
+    try:
+        with torch.inference_mode():
+            cross = main.decoder.cross_kv(states())
+            invariant = decoder_is_batch_invariant(main.decoder, cross, main.tokenizer.prompt("en", "transcribe"), rows)
+    except Exception:
+        log.exception("could not check whether the main decoder is batch-invariant")
+        return None
+    attention = main.decoder.attention_in_use()
+    if invariant:
+        log.info("the main decoder is batch-invariant here: speculative output is main-only's bit for bit")
+    else:
+        # Expected with torch's attention (GPU, half precision, the sdpa setting); a surprise with ours.
+        log.log(
+            logging.WARNING if attention == "invariant" else logging.INFO,
+            "the main decoder is not batch-invariant here (%s attention, %s): speculative output is"
+            " main-only's token for token wherever no two logits are within rounding of each other",
+            attention, str(main.dtype).removeprefix("torch."),
+        )  # fmt: skip
+    return invariant
