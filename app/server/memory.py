@@ -23,6 +23,11 @@ class ProcessMemory:
             status = Path(f"/proc/{pid}/status").read_text()
         except OSError:
             return None
+        return cls.from_status(status)
+
+    @classmethod
+    def from_status(cls, status: str) -> ProcessMemory | None:
+        """From the text of a `/proc/PID/status` already read; None for a process without memory lines."""
         found = {key: int(kb) * 1024 for key, kb in re.findall(r"^(VmRSS|VmHWM):\s+(\d+) kB", status, re.M)}
         if "VmRSS" not in found:  # a zombie has no memory lines
             return None

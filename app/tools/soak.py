@@ -41,7 +41,7 @@ CHUNK_S = 0.1
 def proc_stats(pid: int) -> dict[str, int]:
     """Resident memory (kB), open fds, threads and /dev/shm mappings of a live process, from /proc."""
     status = Path(f"/proc/{pid}/status").read_text()
-    memory = ProcessMemory.of(pid)
+    memory = ProcessMemory.from_status(status)
     rss = memory.rss // 1024 if memory is not None else 0
     threads = int(re.search(r"^Threads:\s+(\d+)", status, re.M).group(1))  # type: ignore[union-attr]
     fd_dir = Path(f"/proc/{pid}/fd")
