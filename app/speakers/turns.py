@@ -119,16 +119,16 @@ class SpeechRegions:
         return out
 
     def overlaps(self, region: int, start: float, end: float) -> bool:
+        """Whether [start, end] shares some time with the region."""
         a, b = self.regions[region]
         return min(end, b) > max(start, a)
 
     def within(self, region: int | None, start: float, end: float) -> tuple[float, float]:
         """[start, end] cut to the region, unless it lies outside it."""
-        if region is None:
+        if region is None or not self.overlaps(region, start, end):
             return start, end
         a, b = self.regions[region]
-        low, high = max(start, a), min(end, b)
-        return (low, high) if high > low else (start, end)
+        return max(start, a), min(end, b)
 
 
 def diarize(
