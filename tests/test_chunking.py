@@ -91,6 +91,24 @@ def test_quiet_voices_between_loud_ones_are_written(
     assert error_rate([(reference, text, "en")]) < 0.2, text
 
 
+def test_readings_whisper_wrote_short_are_decoded_again_in_halves(
+    client: OpenAI, clip: Callable[[str], np.ndarray], manifest: dict[str, ManifestClip]
+) -> None:
+    """Three FLEURS readings 11-15 s apart make one chunk, of which Whisper wrote the first reading and ended
+    (`bench-audio`'s long pauses; WER 0.75 here): the chunk is decoded again in halves (`shortfall`). A diarized
+    request gets the same words."""
+    voices = ["fleurs/fleurs-en-000", "fleurs/fleurs-en-001", "fleurs/fleurs-en-002"]
+    pauses = [np.zeros(int(s * SR), np.float32) for s in (2.0, 10.7, 14.9, 2.0)]
+    data = _wav(np.concatenate([pauses[0]] + [x for k, v in enumerate(voices) for x in (clip(v), pauses[k + 1])]))
+    reference = " ".join(manifest[v].text for v in voices)
+    text = client.audio.transcriptions.create(model="whisper-1", file=("three.wav", data), language="en").text
+    assert error_rate([(reference, text, "en")]) < 0.2, text
+    diarized = client.audio.transcriptions.create(
+        model="whisper-1", file=("three.wav", data), language="en", response_format="diarized_json"
+    )
+    assert diarized.text == text
+
+
 def test_non_speech_gives_no_text(client: OpenAI, clip: Callable[[str], np.ndarray]) -> None:
     t = np.arange(30 * SR) / SR
     tones = (0.2 * np.sin(2 * np.pi * 330 * t) * (1 + np.sin(2 * np.pi * 2 * t))).astype(np.float32)

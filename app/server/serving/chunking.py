@@ -35,6 +35,22 @@ class Chunk:
     def audio(self, audio: np.ndarray) -> np.ndarray:
         return np.concatenate([audio[start:end] for start, end in self.pieces])
 
+    def split(self, at: int) -> tuple[Chunk, Chunk]:
+        """The chunk cut `at` samples into its audio (0 < at < `samples`): the audio before, the audio after."""
+        first: list[tuple[int, int]] = []
+        second: list[tuple[int, int]] = []
+        offset = 0
+        for start, end in self.pieces:
+            if offset + end - start <= at:
+                first.append((start, end))
+            elif offset >= at:
+                second.append((start, end))
+            else:
+                first.append((start, start + at - offset))
+                second.append((start + at - offset, end))
+            offset += end - start
+        return Chunk(tuple(first)), Chunk(tuple(second))
+
     def to_original(self, t: float, *, is_end: bool = False) -> float:
         """Seconds into the chunk -> seconds into the upload. A time on a seam between two pieces belongs
         to the piece it ends (`is_end`) or starts."""
@@ -43,6 +59,9 @@ class Chunk:
         k = (bisect.bisect_left if is_end else bisect.bisect_right)(starts, sample) - 1
         k = min(max(k, 0), len(self.pieces) - 1)
         return (self.pieces[k][0] + sample - starts[k]) / SAMPLE_RATE
+
+
+Part = tuple[Chunk, Transcription, float]  # a chunk, its transcription and the time it queued (ms)
 
 
 class ChunkPacker:

@@ -9,6 +9,7 @@ go through `live` (`live.py`), over the same jobs.
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -23,14 +24,16 @@ from app.api.audio import SAMPLE_RATE, AudioError, AudioTooLongError, EncodedAud
 from app.api.types import DecodingOptions, Transcription
 from app.server.metrics import ServerMetrics
 from app.server.serving.admission import Account, AudioBudget, FairShare, OverBudget
-from app.server.serving.chunking import CHUNK_SECONDS, Chunk, merge
+from app.server.serving.chunking import CHUNK_SECONDS, Chunk, Part, merge
 from app.server.serving.jobs import Jobs
+from app.server.serving.leveling import regions_in
 from app.server.serving.live import LiveService
 from app.server.serving.models import ModelNames
 from app.server.serving.replies import Replies, Reply
 from app.server.serving.requests import RequestRules, TranscriptionRequest
+from app.server.serving.shortfall import written_in_full
 from app.server.serving.speakers import SPEECH_VAD, SpeakerAsk, Speakers, prints_of
-from app.server.serving.streams import HeldEvents, Part, chunk_events, job_events
+from app.server.serving.streams import HeldEvents, chunk_events, job_events
 from app.server.serving.uploads import STEP_SAMPLES, AudioScan, Chunking, ChunkScan, chunk_results
 from app.server.vad import SileroVad
 from app.server.worker.client import EngineClient
@@ -237,9 +240,14 @@ class TranscriptionService:
             return self.share.run(upload.account, step)
 
         def transcribe(k: int, chunk: Chunk, samples: np.ndarray) -> Any:
-            voices = prints_of(chunk) if prints else None
-            job = Job(f"{request_id}-{k}", samples, options, turn=k, background=upload.long, prints=voices)
-            return self.jobs.run(job)
+            names = (f"{request_id}-{k}" + (f".{n}" if n else "") for n in itertools.count())  # the chunk, its halves
+
+            def run_job(piece: Chunk, audio: np.ndarray) -> Any:
+                voices = prints_of(piece) if prints else None
+                job = Job(next(names), audio, options, turn=k, background=upload.long, prints=voices)
+                return self.jobs.run(job)
+
+            return written_in_full(chunk, samples, regions_in(chunk, chunks.speech or chunk.pieces), run_job)
 
         idle = functools.partial(self.share.leave, upload.account)  # its long place, while it waits for the worker
         return chunk_results(chunks, run, transcribe, self.settings.max_batch, idle)

@@ -15,14 +15,12 @@ from typing import Any
 
 from app.api import errors
 from app.api.types import Transcription
-from app.server.serving.chunking import Chunk
+from app.server.serving.chunking import Part
 from app.server.serving.jobs import Jobs
 from app.server.serving.replies import Replies, delta_event, done_event, segment_events
 from app.server.serving.requests import TranscriptionRequest
 from app.server.worker.client import Pending, progress_until
 from app.speakers.diarization import Diarization
-
-Part = tuple[Chunk, Transcription, float]  # a chunk, its transcription and the time it queued (ms)
 
 
 class HeldEvents:

@@ -27,8 +27,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from app.api.audio import SAMPLE_RATE, EncodedAudio, SampleReader
-from app.api.types import Transcription
-from app.server.serving.chunking import CHUNK_SECONDS, Chunk, ChunkPacker
+from app.server.serving.chunking import CHUNK_SECONDS, Chunk, ChunkPacker, Part
 from app.server.serving.leveling import LocalLoudness, leveled, regions_in
 from app.server.vad import RegionFinder, VadParams
 
@@ -130,40 +129,41 @@ class ChunkScan:
 async def chunk_results(
     scan: ChunkScan,
     run: Callable[[Callable[[], list[tuple[Chunk, np.ndarray]]]], Awaitable[list[tuple[Chunk, np.ndarray]]]],
-    transcribe: Callable[[int, Chunk, np.ndarray], Awaitable[tuple[Transcription, float]]],
+    transcribe: Callable[[int, Chunk, np.ndarray], Awaitable[list[Part]]],
     ahead: int,
     idle: Callable[[], None] = lambda: None,
-) -> AsyncGenerator[tuple[Chunk, Transcription, float], None]:
+) -> AsyncGenerator[Part, None]:
     """Each chunk of `scan` with its transcription and queue time, in order. `run` runs a step of the scan (on an
-    upload thread), `transcribe(k, chunk, samples)` transcribes the k-th chunk. The scan goes on while at most `ahead`
-    chunks are being transcribed: they fill a batch together, other requests' jobs take turns with them, and the
-    VAD listens on while they are decoded. `idle()` is called when it waits for transcriptions only."""
+    upload thread), `transcribe(k, chunk, samples)` transcribes the k-th chunk (as one part or more, in order).
+    The scan goes on while at most `ahead` chunks are being transcribed: they fill a batch together, other
+    requests' jobs take turns with them, and the VAD listens on while they are decoded. `idle()` is called when
+    it waits for transcriptions only."""
     found: deque[tuple[Chunk, np.ndarray]] = deque()
-    queued: deque[tuple[Chunk, asyncio.Future[tuple[Transcription, float]]]] = deque()
+    queued: deque[asyncio.Future[list[Part]]] = deque()
     step: asyncio.Future[list[tuple[Chunk, np.ndarray]]] | None = None
     dispatched = 0
     try:
         while True:
             while found and len(queued) < ahead:
                 chunk, samples = found.popleft()
-                queued.append((chunk, asyncio.ensure_future(transcribe(dispatched, chunk, samples))))
+                queued.append(asyncio.ensure_future(transcribe(dispatched, chunk, samples)))
                 dispatched += 1
             if step is None and not scan.done and not found and len(queued) < ahead:
                 step = asyncio.ensure_future(run(scan.step))
             if step is None and not queued and not found:
                 return
-            waits: list[asyncio.Future[Any]] = [f for f in ([queued[0][1]] if queued else []) + [step] if f]
+            waits: list[asyncio.Future[Any]] = [f for f in ([queued[0]] if queued else []) + [step] if f]
             if step is None:
                 idle()
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             if step is not None and step.done():
                 found.extend(step.result())
                 step = None
-            if queued and queued[0][1].done():
-                chunk, result = queued.popleft()
-                yield (chunk, *result.result())
+            if queued and queued[0].done():
+                for part in queued.popleft().result():
+                    yield part
     finally:  # the client went away, or a chunk failed: drop the rest (a step under way ends by itself)
-        for future in [f for _, f in queued] + ([step] if step is not None else []):
+        for future in [*queued] + ([step] if step is not None else []):
             future.cancel()
             if future.done() and not future.cancelled():
                 future.exception()  # retrieved: its error is the one already raised, or moot
