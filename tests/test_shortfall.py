@@ -6,6 +6,7 @@ a server, is `tests/test_chunking.py::test_readings_whisper_wrote_short_are_deco
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 
@@ -52,7 +53,9 @@ def test_short_is_few_tokens_for_much_speech() -> None:
     enough = int(np.ceil(MIN_TOKENS_PER_S * MIN_SPEECH_S))
     assert written_short(_transcription(enough - 1), speech)
     assert not written_short(_transcription(enough), speech)
-    assert not written_short(_transcription(0), [(0, int(MIN_SPEECH_S * SR) - 1)])  # too little speech to tell
+    assert not written_short(_transcription(1), [(0, int(MIN_SPEECH_S * SR) - 1)])  # too little speech to tell
+    assert not written_short(_transcription(0), speech)  # Whisper heard no speech there
+    assert not written_short(dataclasses.replace(_transcription(1), finish="length"), speech)  # max_new_tokens
 
 
 def _run(

@@ -32,9 +32,12 @@ GAIN = 1.25
 
 
 def written_short(transcription: Transcription, regions: Sequence[tuple[int, int]]) -> bool:
-    """Whether a chunk's transcription is short for the speech in it (`regions`: [start, end) samples)."""
+    """Whether a chunk's transcription is short for the speech in it (`regions`: [start, end) samples). Not where
+    Whisper wrote nothing (it heard no speech: its halves would not be asked to find some) or stopped at the
+    request's token limit (`max_new_tokens`)."""
     speech_s = sum(end - start for start, end in regions) / SAMPLE_RATE
-    return speech_s >= MIN_SPEECH_S and len(transcription.tokens) < MIN_TOKENS_PER_S * speech_s
+    tokens = len(transcription.tokens)
+    return transcription.finish == "stop" and speech_s >= MIN_SPEECH_S and 0 < tokens < MIN_TOKENS_PER_S * speech_s
 
 
 def halving_point(regions: Sequence[tuple[int, int]]) -> int | None:
