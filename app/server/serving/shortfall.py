@@ -18,6 +18,7 @@ or not it is diarized.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
@@ -25,6 +26,8 @@ import numpy as np
 from app.api.audio import SAMPLE_RATE
 from app.api.types import Transcription
 from app.server.serving.chunking import Chunk, Part
+
+log = logging.getLogger(__name__)
 
 MIN_SPEECH_S = 10.0
 MIN_TOKENS_PER_S = 2.0  # English speech is written in 3-4 tokens a second
@@ -77,4 +80,14 @@ async def written_in_full(
         written_in_full(second, samples[cut:], after, transcribe),
     )
     parts = [(c, t, queued_ms) for half in halves for c, t, _ in half]
-    return parts if sum(len(t.tokens) for _, t, _ in parts) >= GAIN * len(transcription.tokens) else whole
+    tokens = sum(len(t.tokens) for _, t, _ in parts)
+    kept = tokens >= GAIN * len(transcription.tokens)
+    log.debug(
+        "a chunk of %.1f s of speech was written in %d tokens; in %d parts, %d tokens: %s",
+        sum(end - start for start, end in regions) / SAMPLE_RATE,
+        len(transcription.tokens),
+        len(parts),
+        tokens,
+        "kept" if kept else "not kept",
+    )
+    return parts if kept else whole
