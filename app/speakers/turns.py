@@ -8,19 +8,25 @@ belongs to the region it overlaps most) or after a pause of `PAUSE_S` between wo
 the segments' texts are the transcript's. A segment's times are the VAD's where it has them: the pieces of one
 speech region cover it, the first from the region's start, the last to its end, and two speakers' pieces meet
 halfway between their words (Whisper's word times stretch over the pauses around them, or start late, and speech
-it did not write is still someone's); a piece's words outside every region keep their own times.
+it did not write is still someone's); a piece's words outside every region keep their own times; and a region in
+which Whisper wrote nothing is taken into the piece of its voice just before or after it.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from app.api.types import Segment, Word
 
 PAUSE_S = 1.0  # a pause this long between two words of one speaker ends a segment too
+# A region in which Whisper wrote no word is taken into a piece of its voice less than this far from it. On
+# `bench-audio --part diarization` the overlapping conversation's DER fell 26.2 -> 24.2% (named right 79.8 ->
+# 81.8%), the others' unchanged; 1.0 s also gave the 3-voice one 94.5 -> 96.2% named right, but its DER 14.0 ->
+# 14.9%: regions further away were more often noise the VAD took for speech (JFK's crowd).
+CLAIM_GAP_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,26 @@ class SpeechRegions:
             out.append(dataclasses.replace(piece, start=round(start, 3), end=round(end, 3)))
         return out
 
+    def claimed(
+        self, pieces: Sequence[SpeakerSegment], speaker_of: Callable[[float, float], str]
+    ) -> list[SpeakerSegment]:
+        """Pieces in time order -> the same, each also covering the regions next to it in which Whisper wrote no
+        word, where the region's voice is the piece's speaker (`speaker_of`) and the pause between them is
+        under `CLAIM_GAP_S`: speech Whisper left out is still its speaker's."""
+        out = list(pieces)
+        k = 0  # the first piece that ends after the region starts
+        for start, end in self.regions:
+            while k < len(out) and out[k].end <= start:
+                k += 1
+            if k < len(out) and out[k].start < end:
+                continue  # a piece has words here
+            speaker = speaker_of(start, end)
+            if k > 0 and out[k - 1].speaker == speaker and start - out[k - 1].end < CLAIM_GAP_S:
+                out[k - 1] = dataclasses.replace(out[k - 1], end=round(end, 3))
+            elif k < len(out) and out[k].speaker == speaker and out[k].start - end < CLAIM_GAP_S:
+                out[k] = dataclasses.replace(out[k], start=round(start, 3))
+        return out
+
     def overlaps(self, region: int, start: float, end: float) -> bool:
         """Whether [start, end] shares some time with the region."""
         a, b = self.regions[region]
@@ -161,7 +187,7 @@ def diarize(
             start, end = speech.within(region, words[0].start, max(words[-1].end, words[0].start))
             inside = region if region is not None and speech.overlaps(region, start, end) else None
             placed.append((SpeakerSegment(start, end, text, _name(speaker, names), tuple(words)), inside))
-    return speech.spread(placed)
+    return speech.claimed(speech.spread(placed), lambda a, b: _name(timeline.speaker_of(a, b), names))
 
 
 def _name(speaker: int | None, names: Sequence[str]) -> str:
