@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 
 import numpy as np
+import pytest
 
 from app.api.types import Metrics, Transcription
 from app.server.serving.chunking import Chunk
@@ -103,3 +104,29 @@ def test_a_half_written_short_is_halved_in_turn() -> None:
     parts, asked = _run({28 * SR: 20, 14 * SR: 20, int(6.5 * SR): 18, int(7.5 * SR): 18}, regions, chunk)
     assert asked[0] == chunk and set(asked[1:]) == {first, second, *quarters}
     assert [(c, len(t.tokens)) for c, t, _ in parts] == [(q, 18) for q in quarters]
+
+
+def test_when_a_half_fails_the_other_is_stopped() -> None:
+    chunk = Chunk(((0, 22 * SR),))
+    regions = [(0, 10 * SR), (12 * SR, 22 * SR)]
+    stopped: list[Chunk] = []
+
+    async def transcribe(piece: Chunk, audio: np.ndarray) -> tuple[Transcription, float]:
+        if piece == chunk:
+            return _transcription(5), 0.0
+        if piece.pieces[0][0] == 0:
+            raise RuntimeError("the worker failed this half")
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            stopped.append(piece)
+            raise
+        return _transcription(50), 0.0
+
+    async def main() -> None:
+        with pytest.raises(RuntimeError, match="failed this half"):
+            await written_in_full(chunk, np.zeros(chunk.samples, np.float32), regions, transcribe)
+        await asyncio.sleep(0)  # let the cancelled half see its cancellation
+        assert stopped == [chunk.split(11 * SR)[1]]  # before the loop closes (which would cancel it anyway)
+
+    asyncio.run(main())

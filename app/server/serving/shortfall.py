@@ -75,10 +75,16 @@ async def written_in_full(
     first, second = chunk.split(cut)
     before = [r for r in regions if r[1] <= cut]
     after = [(start - cut, end - cut) for start, end in regions if start >= cut]
-    halves = await asyncio.gather(
-        written_in_full(first, samples[:cut], before, transcribe),
-        written_in_full(second, samples[cut:], after, transcribe),
-    )
+    tasks = [
+        asyncio.ensure_future(written_in_full(first, samples[:cut], before, transcribe)),
+        asyncio.ensure_future(written_in_full(second, samples[cut:], after, transcribe)),
+    ]
+    try:
+        halves = await asyncio.gather(*tasks)
+    except BaseException:  # one half failed (or the request went away): the other is not wanted either
+        for task in tasks:
+            task.cancel()
+        raise
     parts = [(c, t, queued_ms) for half in halves for c, t, _ in half]
     tokens = sum(len(t.tokens) for _, t, _ in parts)
     kept = tokens >= GAIN * len(transcription.tokens)
