@@ -92,7 +92,7 @@ def test_quiet_voices_between_loud_ones_are_written(
 
 
 def test_readings_whisper_wrote_short_are_decoded_again_in_halves(
-    client: OpenAI, clip: Callable[[str], np.ndarray], manifest: dict[str, ManifestClip]
+    server: ServerProcess, client: OpenAI, clip: Callable[[str], np.ndarray], manifest: dict[str, ManifestClip]
 ) -> None:
     """Three FLEURS readings 11-15 s apart make one chunk, of which Whisper wrote the first reading and ended
     (`bench-audio`'s long pauses; WER 0.75 here): the chunk is decoded again in halves (`shortfall`). A diarized
@@ -101,8 +101,10 @@ def test_readings_whisper_wrote_short_are_decoded_again_in_halves(
     pauses = [np.zeros(int(s * SR), np.float32) for s in (2.0, 10.7, 14.9, 2.0)]
     data = _wav(np.concatenate([pauses[0]] + [x for k, v in enumerate(voices) for x in (clip(v), pauses[k + 1])]))
     reference = " ".join(manifest[v].text for v in voices)
+    kept = metric(server, "specwhisper_chunks_decoded_again_total", 0.0, kept="true")
     text = client.audio.transcriptions.create(model="whisper-1", file=("three.wav", data), language="en").text
     assert error_rate([(reference, text, "en")]) < 0.2, text
+    assert metric(server, "specwhisper_chunks_decoded_again_total", kept="true") > kept
     diarized = client.audio.transcriptions.create(
         model="whisper-1", file=("three.wav", data), language="en", response_format="diarized_json"
     )

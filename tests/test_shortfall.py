@@ -60,10 +60,12 @@ def test_short_is_few_tokens_for_much_speech() -> None:
 
 
 def _run(
-    tokens: dict[int, int], regions: list[tuple[int, int]], chunk: Chunk
+    tokens: dict[int, int], regions: list[tuple[int, int]], chunk: Chunk, told: list[bool] | None = None
 ) -> tuple[list[tuple[Chunk, Transcription, float]], list[Chunk]]:
-    """written_in_full over a transcriber that writes tokens[len(audio)] tokens, and what it was asked."""
+    """written_in_full over a transcriber that writes tokens[len(audio)] tokens, and what it was asked; `told`
+    collects what `decoded_again` was told."""
     asked: list[Chunk] = []
+    told = [] if told is None else told
 
     async def transcribe(piece: Chunk, audio: np.ndarray) -> tuple[Transcription, float]:
         asked.append(piece)
@@ -71,7 +73,7 @@ def _run(
         return _transcription(tokens[audio.size]), 7.0
 
     samples = np.zeros(chunk.samples, np.float32)
-    return asyncio.run(written_in_full(chunk, samples, regions, transcribe)), asked
+    return asyncio.run(written_in_full(chunk, samples, regions, transcribe, told.append)), asked
 
 
 def test_halves_replace_a_chunk_written_short_where_they_write_more() -> None:
@@ -83,8 +85,10 @@ def test_halves_replace_a_chunk_written_short_where_they_write_more() -> None:
     assert [(c, len(t.tokens), q) for c, t, q in parts] == [(first, 30, 7.0), (second, 30, 7.0)]
 
     short = int(GAIN * 20) - 1  # the halves together: less than GAIN times the chunk's tokens
-    parts, _ = _run({22 * SR: 20, 11 * SR: short // 2}, regions, chunk)
+    told: list[bool] = []
+    parts, _ = _run({22 * SR: 20, 11 * SR: short // 2}, regions, chunk, told)
     assert [(c, len(t.tokens)) for c, t, _ in parts] == [(chunk, 20)]
+    assert told == [False]
 
 
 def test_a_chunk_written_in_full_or_of_one_region_is_decoded_once() -> None:
@@ -101,7 +105,9 @@ def test_a_half_written_short_is_halved_in_turn() -> None:
     first, second = chunk.split(14 * SR)
     quarters = [*first.split(int(6.5 * SR)), *second.split(int(7.5 * SR))]
     # the chunk and each half written short; each quarter (6 s of speech: too little to cut) written whole
-    parts, asked = _run({28 * SR: 20, 14 * SR: 20, int(6.5 * SR): 18, int(7.5 * SR): 18}, regions, chunk)
+    told: list[bool] = []
+    parts, asked = _run({28 * SR: 20, 14 * SR: 20, int(6.5 * SR): 18, int(7.5 * SR): 18}, regions, chunk, told)
+    assert told == [True, True, True]  # each half, then the chunk
     assert asked[0] == chunk and set(asked[1:]) == {first, second, *quarters}
     assert [(c, len(t.tokens)) for c, t, _ in parts] == [(q, 18) for q in quarters]
 

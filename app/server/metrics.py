@@ -65,6 +65,12 @@ class ServerMetrics:
         self.budget_refused = Counter(
             "specwhisper_audio_budget_refused", "uploads refused (429): the audio budget's line was full", registry=r
         )
+        self.chunks_decoded_again = Counter(
+            "specwhisper_chunks_decoded_again",
+            "chunks Whisper wrote short, decoded again in halves (kept: whether the halves replaced the chunk)",
+            ["kept"],
+            registry=r,
+        )
         self.upload_steps_waiting = Gauge(
             "specwhisper_upload_steps_waiting", "uploads waiting for an upload thread (decoding, VAD)", registry=r
         )

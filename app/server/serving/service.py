@@ -225,6 +225,9 @@ class TranscriptionService:
         finder = functools.partial(self.vad.finder, chunking.params, CHUNK_SECONDS, speech)
         return ChunkScan(upload.audio, finder, level=chunking.normalize)
 
+    def _decoded_again(self, kept: bool) -> None:
+        self.metrics.chunks_decoded_again.labels(kept="true" if kept else "false").inc()
+
     def _chunk_results(
         self,
         request_id: str,
@@ -247,7 +250,8 @@ class TranscriptionService:
                 job = Job(next(names), audio, options, turn=k, background=upload.long, prints=voices)
                 return self.jobs.run(job)
 
-            return written_in_full(chunk, samples, regions_in(chunk, chunks.speech or chunk.pieces), run_job)
+            regions = regions_in(chunk, chunks.speech or chunk.pieces)
+            return written_in_full(chunk, samples, regions, run_job, self._decoded_again)
 
         idle = functools.partial(self.share.leave, upload.account)  # its long place, while it waits for the worker
         return chunk_results(chunks, run, transcribe, self.settings.max_batch, idle)

@@ -62,9 +62,11 @@ async def written_in_full(
     samples: np.ndarray,
     regions: Sequence[tuple[int, int]],
     transcribe: Callable[[Chunk, np.ndarray], Awaitable[tuple[Transcription, float]]],
+    decoded_again: Callable[[bool], None] = lambda kept: None,
 ) -> list[Part]:
     """The chunk's transcription, or its halves' where Whisper wrote the chunk short (the module's rule; a half
-    written short is halved in turn).
+    written short is halved in turn). `decoded_again(kept)` is told of each chunk or half decoded again in halves,
+    and whether its halves stood.
 
     samples: [N] float32, the chunk's audio; regions: its speech ([start, end) samples of `samples`, in order)."""
     transcription, queued_ms = await transcribe(chunk, samples)
@@ -76,8 +78,8 @@ async def written_in_full(
     before = [r for r in regions if r[1] <= cut]
     after = [(start - cut, end - cut) for start, end in regions if start >= cut]
     tasks = [
-        asyncio.ensure_future(written_in_full(first, samples[:cut], before, transcribe)),
-        asyncio.ensure_future(written_in_full(second, samples[cut:], after, transcribe)),
+        asyncio.ensure_future(written_in_full(first, samples[:cut], before, transcribe, decoded_again)),
+        asyncio.ensure_future(written_in_full(second, samples[cut:], after, transcribe, decoded_again)),
     ]
     try:
         halves = await asyncio.gather(*tasks)
@@ -96,4 +98,5 @@ async def written_in_full(
         tokens,
         "kept" if kept else "not kept",
     )
+    decoded_again(kept)
     return parts if kept else whole
