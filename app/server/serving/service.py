@@ -142,7 +142,7 @@ class TranscriptionService:
         transcription = _merged(parts, upload, options)
         if diarize is None:
             return transcription, None
-        return transcription, await self.speakers.label(parts, transcription, diarize, scan.speech)
+        return transcription, await self.speakers.label(parts, transcription, diarize, scan.voiced_speech)
 
     async def transcribe_stream(self, req: TranscriptionRequest, request_id: str | None = None) -> HeldEvents:
         """Validate the request and read its audio now (errors raise here), then return its events, its place in
@@ -223,7 +223,7 @@ class TranscriptionService:
         keep to and that "auto" levels each chunk by (the same regions either way: diarization changes no word)."""
         speech = SPEECH_VAD if diarized or chunking.normalize else None
         finder = functools.partial(self.vad.finder, chunking.params, CHUNK_SECONDS, speech)
-        return ChunkScan(upload.audio, finder, level=chunking.normalize)
+        return ChunkScan(upload.audio, finder, level=chunking.normalize, voiced=diarized)
 
     def _decoded_again(self, kept: bool) -> None:
         self.metrics.chunks_decoded_again.labels(kept="true" if kept else "false").inc()

@@ -154,7 +154,8 @@ class Speakers:
         speech: Sequence[tuple[int, int]] = (),
     ) -> Diarization:
         """Who said each piece of the merged transcript, from every chunk's prints (clustered off the loop);
-        `speech`: the upload's speech regions (samples, `SPEECH_VAD`), which the pieces keep to."""
+        `speech`: the upload's speech regions (samples: `SPEECH_VAD`'s less their quiet ends,
+        `ChunkScan.voiced_speech`), which the pieces keep to."""
         voices = [v for chunk, t, _ in parts for v in on_upload_timeline(chunk, t.voices)]
         spans = [(start / SAMPLE_RATE, end / SAMPLE_RATE) for start, end in speech]
         return await asyncio.to_thread(label_speakers, voices, merged.segments, request, spans)

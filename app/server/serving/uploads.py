@@ -30,6 +30,7 @@ from app.api.audio import SAMPLE_RATE, EncodedAudio, SampleReader
 from app.server.serving.chunking import CHUNK_SECONDS, Chunk, ChunkPacker, Part
 from app.server.serving.leveling import LocalLoudness, leveled, regions_in
 from app.server.vad import RegionFinder, VadParams
+from app.speakers.voiced import voiced
 
 T = TypeVar("T")
 
@@ -91,15 +92,20 @@ class ChunkScan:
     """The VAD's pass over an upload: each `step` decodes a block, runs the VAD (a `finder()`) over it, and returns
     the chunks that block settled, each with its samples (cut from a second decoder that follows behind). With
     `level` ("auto"), the VAD hears the audio levelled locally and each chunk's quiet voices are raised towards
-    its loudest (`leveling`: the finder must then find the finer speech regions too)."""
+    its loudest (`leveling`: the finder must then find the finer speech regions too). With `voiced` (a diarized
+    upload), the finer regions are also kept trimmed to their voiced frames (`voiced_speech`)."""
 
-    def __init__(self, audio: EncodedAudio, finder: Callable[[], RegionFinder], *, level: bool = False) -> None:
+    def __init__(
+        self, audio: EncodedAudio, finder: Callable[[], RegionFinder], *, level: bool = False, voiced: bool = False
+    ) -> None:
         self._steps = _steps(audio.blocks())
         self._loudness = LocalLoudness() if level else None
         self._reader = SampleReader(audio.blocks())
         self._new_finder = finder  # called in the first step (it may wait for the VAD to load)
         self._finder: RegionFinder | None = None
         self._packer = ChunkPacker(CHUNK_SECONDS)
+        self._voiced = voiced
+        self.voiced_speech: list[tuple[int, int]] = []  # the finer regions trimmed to their voice (samples)
         self.done = False
 
     def step(self) -> list[tuple[Chunk, np.ndarray]]:
@@ -116,6 +122,8 @@ class ChunkScan:
         if self.done:
             chunks += self._packer.finish()
         out = [(c, np.concatenate([self._reader.take(start, end) for start, end in c.pieces])) for c in chunks]
+        if self._voiced:
+            self.voiced_speech += [r for c, samples in out for r in _voiced_on_upload(c, samples, self.speech)]
         if self._loudness is not None:
             out = [(c, leveled(samples, regions_in(c, self.speech))) for c, samples in out]
         return out
@@ -124,6 +132,17 @@ class ChunkScan:
     def speech(self) -> list[tuple[int, int]]:
         """The finer speech regions found so far (samples), when the finder looks for them (`RegionFinder.speech`)."""
         return self._finder.speech if self._finder is not None else []
+
+
+def _voiced_on_upload(chunk: Chunk, samples: np.ndarray, speech: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The finer speech regions in a chunk, trimmed to their voiced frames (`speakers.voiced`), as samples of the
+    upload. samples: [N] float32, the chunk's audio as read (before any levelling)."""
+    inside = regions_in(chunk, speech)
+    return [
+        (round(chunk.to_original(a / SAMPLE_RATE) * SAMPLE_RATE),
+         round(chunk.to_original(b / SAMPLE_RATE, is_end=True) * SAMPLE_RATE))
+        for a, b in voiced(samples, inside)
+    ]  # fmt: skip
 
 
 async def chunk_results(
