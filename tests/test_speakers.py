@@ -157,13 +157,13 @@ def test_a_region_whisper_wrote_nothing_of_goes_to_the_piece_of_its_voice_beside
     piece is A's (the piece starts with it); one of A's after B's piece, or of B's past `CLAIM_GAP_S`, is nobody's."""
     timeline = SpeakerTimeline([Turn(0.0, 3.0, 1), Turn(3.0, 5.0, 0), Turn(5.0, 9.0, 1), Turn(11.0, 13.0, 1)])
     words = [_word(" Yes", 0.2, 0.8), _word(" No", 5.2, 5.8), _word(" so", 11.2, 11.8)]
-    speech = SpeechRegions([(0.1, 0.9), (1.2, 2.0), (3.2, 4.6), (5.1, 5.9), (6.2, 7.0), (8.0, 8.8), (11.1, 11.9)])
+    speech = SpeechRegions([(0.1, 0.9), (1.2, 2.0), (3.2, 4.6), (5.1, 5.9), (6.6, 7.0), (8.3, 8.8), (11.1, 11.9)])
     segments = [_segment([w]) for w in words]
     pieces = diarize(segments, timeline, ["A", "B"], speech)
     assert [(p.text, p.speaker, p.start, p.end) for p in pieces] == [
         ("Yes", "B", 0.1, 2.0),  # (1.2, 2.0): B's, 0.3 s after
-        ("No", "B", 5.1, 7.0),  # (3.2, 4.6): A's, beside B's piece; (6.2, 7.0): B's, 0.3 s after
-        ("so", "B", 11.1, 11.9),  # (8.0, 8.8): B's, 1.2 s after "No" and 2.3 s before "so"
+        ("No", "B", 5.1, 7.0),  # (3.2, 4.6): A's, beside B's piece; (6.6, 7.0): B's, 0.7 s after
+        ("so", "B", 11.1, 11.9),  # (8.3, 8.8): B's, 1.3 s after "No" and 2.3 s before "so"
     ]
     assert [w.start for p in pieces for w in p.words] == [0.2, 5.2, 11.2]
     alone = diarize([_segment([_word(" Hm", 4.0, 4.4)])], timeline, ["A", "B"], speech)
