@@ -19,6 +19,13 @@ SAMPLE_RATE = 16000
 BLOCK_SAMPLES = 1 << 20  # interleaved samples read at a time: memory stays bounded by the output
 
 
+def frame_rms(samples: np.ndarray, frame: int) -> np.ndarray:
+    """[N] samples -> [N // frame] the RMS of each whole frame of `frame` samples (float64; no copy of the samples)."""
+    n = samples.size // frame
+    frames = samples[: n * frame].reshape(n, frame)
+    return np.sqrt(np.einsum("ij,ij->i", frames, frames).astype(np.float64) / frame)  # type: ignore[no-any-return]
+
+
 class AudioError(ValueError):
     """The input is not decodable audio, or holds no samples."""
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from app.api.audio import SAMPLE_RATE
+from app.api.audio import SAMPLE_RATE, frame_rms
 
 FRAME = SAMPLE_RATE // 100  # 10 ms
 EDGE_DB = 25.0
@@ -33,8 +33,7 @@ MIN_FRAMES = 10  # a region shorter than 100 ms is kept whole
 
 def frame_levels(samples: np.ndarray) -> np.ndarray:
     """[N] float32 samples -> [N // FRAME] the mean power of each whole 10-ms frame, in dB."""
-    frames = samples[: samples.size // FRAME * FRAME].astype(np.float64).reshape(-1, FRAME)
-    return 10 * np.log10(np.square(frames).mean(axis=1) + 1e-12)  # type: ignore[no-any-return]
+    return 10 * np.log10(np.square(frame_rms(samples, FRAME)) + 1e-12)  # type: ignore[no-any-return]
 
 
 def _quiet_run(quiet: np.ndarray, most: int) -> int:
@@ -56,10 +55,7 @@ def voiced(samples: np.ndarray, regions: Sequence[tuple[int, int]]) -> list[tupl
             continue
         quiet = levels < np.percentile(levels, LOUD_PERCENTILE) - EDGE_DB
         lead = _quiet_run(quiet, MAX_TRIM_FRAMES)
-        trail = _quiet_run(quiet[::-1], MAX_TRIM_FRAMES)
-        if lead + trail >= levels.size:  # no loud frame (cannot be, but a region is never emptied)
-            out.append((start, end))
-            continue
+        trail = _quiet_run(quiet[::-1], MAX_TRIM_FRAMES)  # the loudest frame is never quiet: lead + trail < frames
         last = start + levels.size * FRAME  # the end of the last whole frame: a partial one after it goes with it
         out.append((start + lead * FRAME, end if trail == 0 else last - trail * FRAME))
     return out

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from app.api.audio import SAMPLE_RATE
+from app.api.audio import SAMPLE_RATE, frame_rms
 from app.server.serving.chunking import Chunk
 
 FRAME = 512  # 32 ms
@@ -37,9 +37,7 @@ _RANK = round(0.95 * 2 * _REACH)  # a window's loud frames: its 95th percentile 
 
 def _frame_levels(samples: np.ndarray) -> np.ndarray:
     """The RMS of each whole 32-ms frame of `samples`."""
-    n = samples.size // FRAME
-    frames = samples[: n * FRAME].reshape(n, FRAME)
-    return np.sqrt(np.einsum("ij,ij->i", frames, frames).astype(np.float64) / FRAME)  # no copy of the samples
+    return frame_rms(samples, FRAME)
 
 
 def _gains(levels: np.ndarray, first: int, count: int) -> np.ndarray:

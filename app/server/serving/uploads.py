@@ -122,10 +122,14 @@ class ChunkScan:
         if self.done:
             chunks += self._packer.finish()
         out = [(c, np.concatenate([self._reader.take(start, end) for start, end in c.pieces])) for c in chunks]
-        if self._voiced:
-            self.voiced_speech += [r for c, samples in out for r in _voiced_on_upload(c, samples, self.speech)]
+        if not (self._voiced or self._loudness is not None):
+            return out
+        fine = [regions_in(c, self.speech) for c in chunks]  # each chunk's finer regions, as samples of its audio
+        if self._voiced:  # trimmed on the samples as read, before any levelling
+            for (c, samples), inside in zip(out, fine, strict=True):
+                self.voiced_speech += _on_upload(c, voiced(samples, inside))
         if self._loudness is not None:
-            out = [(c, leveled(samples, regions_in(c, self.speech))) for c, samples in out]
+            out = [(c, leveled(samples, inside)) for (c, samples), inside in zip(out, fine, strict=True)]
         return out
 
     @property
@@ -134,14 +138,12 @@ class ChunkScan:
         return self._finder.speech if self._finder is not None else []
 
 
-def _voiced_on_upload(chunk: Chunk, samples: np.ndarray, speech: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The finer speech regions in a chunk, trimmed to their voiced frames (`speakers.voiced`), as samples of the
-    upload. samples: [N] float32, the chunk's audio as read (before any levelling)."""
-    inside = regions_in(chunk, speech)
+def _on_upload(chunk: Chunk, regions: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Regions as samples of a chunk's audio -> as samples of the upload."""
     return [
         (round(chunk.to_original(a / SAMPLE_RATE) * SAMPLE_RATE),
          round(chunk.to_original(b / SAMPLE_RATE, is_end=True) * SAMPLE_RATE))
-        for a, b in voiced(samples, inside)
+        for a, b in regions
     ]  # fmt: skip
 
 
