@@ -122,10 +122,11 @@ def test_bench_compares_beam_search_with_greedy_and_faster_whisper(benchdata: Pa
 def test_precision_bench_compares_float32_and_int8(benchdata: Path, tmp_path: Path) -> None:
     """`bench-precision`: both dtypes on the same clips in one run, each exact against its own main-only decoding
     (alone and in a batch of 4), with the encoder's time a window, WER per set (English clean, under noise and over
-    a telephone line here) and the ratios to float32."""
+    a telephone line here) and the ratios to float32; with a dithered run, each set's WER spread, the clean run
+    within it."""
     out_json = tmp_path / "precision.json"
     args = ("--manifest", str(benchdata / "manifest.jsonl"), "--languages", "en", "--per-set", "4")
-    args += ("--condition-clips", "1")
+    args += ("--condition-clips", "1", "--dithers", "1")
     out = run_app("bench-precision", *args, "--json", str(out_json), timeout=900)
     assert out.returncode == 0, out.stderr
     report = json.loads(out_json.read_text())
@@ -136,6 +137,13 @@ def test_precision_bench_compares_float32_and_int8(benchdata: Path, tmp_path: Pa
         assert figures["encoder_ms_per_window"] > 0 and figures["all"]["tokens_per_main_pass"] > 1
         assert set(figures["sets"]) == {"en", *SPOKEN_CONDITIONS}
         assert figures["sets"]["en"]["clips"] == 4 and figures["sets"]["en"]["wer"] < 0.25
+        for name, one in figures["sets"].items():
+            assert one["runs"] == 2 and one["wer_min"] <= one["wer"] <= one["wer_max"], name
+            assert one["wer_mean"] == pytest.approx((one["wer_min"] + one["wer_max"]) / 2), name
     ratios = report["ratios"]["int8"]
     assert ratios["encoder_speedup"] > 0 and ratios["spec_e2e_speedup_english"] > 0
-    assert set(ratios["wer_points_by_set"]) == set(report["dtypes"]["int8"]["sets"])
+    assert (
+        set(ratios["wer_points_by_set"])
+        == set(ratios["wer_mean_points_by_set"])
+        == set(report["dtypes"]["int8"]["sets"])
+    )

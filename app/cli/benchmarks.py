@@ -84,6 +84,7 @@ def _bench_precision(args: argparse.Namespace) -> int:
         per_set=args.per_set,
         languages=set(args.languages.split(",")) if args.languages else None,
         condition_clips=args.condition_clips,
+        dithers=args.dithers,
         settings=settings_of(args),  # --threads and the engine flags
     )
     return _printed(report, args)
@@ -212,6 +213,12 @@ def add_commands(commands: Any) -> None:
     precision.add_argument("--languages", help="comma-separated language codes (default: all)")
     precision.add_argument(
         "--condition-clips", type=int, default=8, help="English clips joined into each noise and telephone condition"
+    )
+    precision.add_argument(
+        "--dithers",
+        type=int,
+        default=0,
+        help="also transcribe every clip N times with inaudible seeded dither, for each set's WER spread",
     )
     precision.add_argument("--json", type=Path, help="write the report here")
     add_common(precision)

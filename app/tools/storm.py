@@ -223,7 +223,7 @@ async def storm(args: argparse.Namespace) -> dict[str, Any]:
         side = [asyncio.create_task(run.short_loop(stop)), asyncio.create_task(run.live_loop(live_audio, stop))]
         await asyncio.sleep(3.0)  # the live session under way
         started = time.monotonic()
-        cpu_before = {"web": cpu_s(web_pid), "worker": cpu_s(ready.get("worker_pid"))}
+        cpu_before = {"web": cpu_s(web_pid), "worker": cpu_s(ready.get("worker_pid")), "client": time.process_time()}
         uploads = [run.upload(silent, f"silence-{k}.flac", chunking_strategy=args.chunking) for k in range(args.silent)]
         uploads += [
             run.upload(speech, f"speech-{k}.ogg", chunking_strategy=args.speech_chunking) for k in range(args.speech)
@@ -233,6 +233,7 @@ async def storm(args: argparse.Namespace) -> dict[str, Any]:
         cpu = {
             name: cpu_s(pid) - cpu_before[name] for name, pid in (("web", web_pid), ("worker", ready.get("worker_pid")))
         }
+        cpu["client"] = time.process_time() - cpu_before["client"]  # this command's own share of the same cores
         stop.set()
         await asyncio.gather(*side, return_exceptions=True)
         for answer in answers:
