@@ -58,7 +58,7 @@ class Settings(BaseSettings):
     encoder_attention: Literal["auto", "onednn", "flash"] = Field(
         "auto",
         description="the encoder's self-attention in fp32 on a CPU: oneDNN products per head, torch's flash kernel,"
-        " or whichever runs faster on this CPU (timed once per worker)",
+        " or whichever runs faster on this CPU (timed once per machine and kept)",
     )
     encoder_rows: int = Field(
         0,

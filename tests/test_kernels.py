@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from app.model import kernels, tuning
 from app.model.encoder import AudioEncoder
 from app.model.features import N_FFT, N_SAMPLES, SAMPLE_RATE, log_mel, mel_filters, window
 from app.model.kernels import (
@@ -85,6 +87,41 @@ def test_attention_kernels_match_sdpa(frames: int) -> None:
     assert preferred_attention(q) == chosen
     # Elsewhere (half precision, GPU) only torch's kernel applies.
     assert preferred_attention(q.half()) == "flash"
+
+
+@needs_onednn
+def test_the_attention_kernel_timed_here_is_kept_for_the_next_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restarted server runs the attention kernel its first start timed (the two kernels' sums differ in their
+    last bits, and a close call timed again could flip): the choice is written once and read back."""
+    choices = tmp_path / "choices.json"
+    monkeypatch.setattr(tuning, "choices_file", lambda: choices)
+    q = torch.randn(1, 2, 300, 16)
+    kernels._timed_choice.cache_clear()
+    try:
+        first = preferred_attention(q)
+        (key,) = (k for k in json.loads(choices.read_text()) if "300 frames" in k)
+        assert json.loads(choices.read_text())[key] == first and key.startswith(tuning.machine_key())
+        # The next process (nothing cached in it) takes what the file says, without timing again.
+        other = "flash" if first == "onednn" else "onednn"
+        choices.write_text(json.dumps({key: other}))
+        kernels._timed_choice.cache_clear()
+        assert preferred_attention(q) == other
+    finally:
+        kernels._timed_choice.cache_clear()
+
+
+def test_a_remembered_choice_is_made_once_and_survives_a_damaged_or_unwritable_file(tmp_path: Path) -> None:
+    path = tmp_path / "cache" / "choices.json"
+    assert tuning.remembered("x", lambda: "a", path) == "a"
+    assert tuning.remembered("x", lambda: "b", path) == "a"  # kept
+    assert tuning.remembered("y", lambda: "b", path) == "b"  # another choice beside it
+    path.write_text("{damaged")
+    assert tuning.remembered("x", lambda: "c", path) == "c"  # decided again, and kept again
+    assert tuning.remembered("x", lambda: "d", path) == "c"
+    (tmp_path / "file").write_text("")
+    assert tuning.remembered("x", lambda: "e", tmp_path / "file" / "choices.json") == "e"  # cannot be kept
 
 
 def test_pack_linears_replaces_only_fp32_cpu_linears() -> None:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from app.model.native import kernel_extension
+from app.model.tuning import remembered
 
 log = logging.getLogger(__name__)
 
@@ -226,9 +227,9 @@ def preferred_attention(q: Tensor, kernel: AttentionKernel = "auto") -> Literal[
     """The kernel `attention` runs for queries shaped like `q` [B, H, T, Dh] when asked for `kernel`.
 
     flash wherever oneDNN's does not apply (GPU, half precision, a torch without oneDNN); for
-    "auto", the faster one on this machine: timed once per process, shape, dtype and thread count
-    (on one row and at most two heads: both kernels' cost grows linearly in them), and flash must
-    beat oneDNN by 10% to be chosen, so that a noisy timing does not flip a close call.
+    "auto", the faster one on this machine: timed once per machine, shape and thread count and
+    remembered (`app.model.tuning`: a restarted server computes as before), on one row and at most
+    two heads (both kernels' cost grows linearly in them); flash must beat oneDNN by 10% to be chosen.
     """
     if not _onednn_attention_applies(q):
         return "flash"
@@ -240,6 +241,11 @@ def preferred_attention(q: Tensor, kernel: AttentionKernel = "auto") -> Literal[
 
 @functools.cache
 def _timed_choice(heads: int, frames: int, head_dim: int, threads: int) -> Literal["onednn", "flash"]:
+    what = f"encoder attention, {heads} heads x {frames} frames x {head_dim}, {threads} threads"
+    return remembered(what, lambda: _time_attention(heads, frames, head_dim))
+
+
+def _time_attention(heads: int, frames: int, head_dim: int) -> Literal["onednn", "flash"]:
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, heads, frames, head_dim, generator=generator) for _ in range(3))
     candidates: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {

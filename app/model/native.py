@@ -112,7 +112,7 @@ def _load_prebuilt() -> Any | None:
     return module
 
 
-def _build_directory(name: str) -> Path:
+def build_directory(name: str) -> Path:
     """Where torch's extension loader builds and caches `name` (`TORCH_EXTENSIONS_DIR` or its default)."""
     from torch.utils import cpp_extension
 
@@ -129,7 +129,7 @@ def _compile_native() -> Any:
     # One build folder per source version and checkout: ninja rebuilds when a source's path changes,
     # so two checkouts of one version (or a bench against an old worktree) rebuilt each other's (~30 s).
     name = f"specwhisper_int8_{_sources_digest(str(SOURCE).encode())}"
-    build = _build_directory(name)
+    build = build_directory(name)
     build.mkdir(parents=True, exist_ok=True)
     # torch guards a build with a lock file that stays behind when its process is killed mid-build
     # (a worker that missed its start deadline): every later load then waits for it forever. A lock
