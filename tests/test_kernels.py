@@ -112,16 +112,28 @@ def test_the_attention_kernel_timed_here_is_kept_for_the_next_process(
         kernels._timed_choice.cache_clear()
 
 
-def test_a_remembered_choice_is_made_once_and_survives_a_damaged_or_unwritable_file(tmp_path: Path) -> None:
-    path = tmp_path / "cache" / "choices.json"
-    assert tuning.remembered("x", lambda: "a", path) == "a"
-    assert tuning.remembered("x", lambda: "b", path) == "a"  # kept
-    assert tuning.remembered("y", lambda: "b", path) == "b"  # another choice beside it
+def test_a_remembered_choice_is_made_once_and_survives_a_damaged_or_unwritable_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, allowed = tmp_path / "cache" / "choices.json", ("a", "b", "c", "d", "e")
+    assert tuning.remembered("x", allowed, lambda: "a", path) == "a"
+    assert tuning.remembered("x", allowed, lambda: "b", path) == "a"  # kept
+    assert tuning.remembered("y", allowed, lambda: "b", path) == "b"  # another choice beside it
     path.write_text("{damaged")
-    assert tuning.remembered("x", lambda: "c", path) == "c"  # decided again, and kept again
-    assert tuning.remembered("x", lambda: "d", path) == "c"
+    assert tuning.remembered("x", allowed, lambda: "c", path) == "c"  # decided again, and kept again
+    assert tuning.remembered("x", allowed, lambda: "d", path) == "c"
+    key = f"{tuning.machine_key()}: x"
+    path.write_text(json.dumps({key: "flash-v0"}))  # a value this code does not know: decided again
+    assert tuning.remembered("x", allowed, lambda: "d", path) == "d"
     (tmp_path / "file").write_text("")
-    assert tuning.remembered("x", lambda: "e", tmp_path / "file" / "choices.json") == "e"  # cannot be kept
+    assert tuning.remembered("x", allowed, lambda: "e", tmp_path / "file" / "choices.json") == "e"  # cannot be kept
+
+    # A read-only home (the containers' root filesystem): the cache's folder cannot even be made.
+    def read_only(name: str) -> Path:
+        raise PermissionError(30, "Read-only file system", name)
+
+    monkeypatch.setattr(tuning, "build_directory", read_only)
+    assert tuning.remembered("x", allowed, lambda: "b") == "b"
 
 
 def test_pack_linears_replaces_only_fp32_cpu_linears() -> None:

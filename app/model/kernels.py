@@ -242,7 +242,8 @@ def preferred_attention(q: Tensor, kernel: AttentionKernel = "auto") -> Literal[
 @functools.cache
 def _timed_choice(heads: int, frames: int, head_dim: int, threads: int) -> Literal["onednn", "flash"]:
     what = f"encoder attention, {heads} heads x {frames} frames x {head_dim}, {threads} threads"
-    return remembered(what, lambda: _time_attention(heads, frames, head_dim))
+    what += f", oneDNN in blocks of {ATTENTION_BLOCK_ROWS} rows"  # the kernels as timed
+    return remembered(what, ("onednn", "flash"), lambda: _time_attention(heads, frames, head_dim))
 
 
 def _time_attention(heads: int, frames: int, head_dim: int) -> Literal["onednn", "flash"]:

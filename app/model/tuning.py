@@ -2,11 +2,12 @@
 
 The encoder's attention runs on whichever of two kernels ran faster here (`app.model.kernels`). The two differ
 only in the order of their sums, yet a close call timed anew at each start could give a restarted server other
-fp32 bits, and now and then other words, for the same audio (two processes on one machine took different
-kernels, and an int8 model's French transcripts then differed by 1.3 points of WER). The first process to time
-a choice writes it to a small JSON file beside the kernel library's build cache, keyed by the CPU, its
-instruction sets, torch's version and what was timed; later processes on that machine read it. Where the folder
-cannot be written (a read-only container), each process times its own, and says so.
+fp32 bits, and now and then other words, for the same audio (an int8 model's French WER on the benchmark was
+31.7% with one kernel and 33.0% with the other, and two processes on one machine had timed different ones).
+The first process to time a choice writes it to a small JSON file beside the kernel library's build cache,
+keyed by the CPU, its instruction sets, torch's version and what was timed; later processes on that machine
+read it (delete the file to time again). Where the folder cannot be written (a read-only container), each
+process times its own, and says so.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ import fcntl
 import hashlib
 import json
 import logging
-import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TypeVar
 
@@ -32,7 +32,7 @@ Choice = TypeVar("Choice", bound=str)
 
 
 def choices_file() -> Path:
-    """Where this machine's timed choices are kept."""
+    """Where this machine's timed choices are kept (OSError where the folder cannot be made)."""
     return build_directory("specwhisper_choices") / "choices.json"
 
 
@@ -42,37 +42,52 @@ def machine_key() -> str:
     return f"{cpu_name()} (flags {flags}), torch {torch.__version__}"
 
 
-def remembered(what: str, decide: Callable[[], Choice], path: Path | None = None) -> Choice:
+def remembered(
+    what: str, allowed: Collection[Choice], decide: Callable[[], Choice], path: Path | None = None
+) -> Choice:
     """The choice `what` made on this machine before, else `decide()`'s, kept for the next process.
 
-    Two processes deciding at once agree: the second to write takes the first one's choice.
+    One process at a time decides, holding the file's lock: processes starting together take the first one's
+    choice, timed without the others competing for the cores. A kept value not in `allowed` is decided again.
     """
-    path = path or choices_file()
     key = f"{machine_key()}: {what}"
-    known = _read(path)
-    if key in known:
-        return known[key]  # type: ignore[return-value]
-    choice = decide()
+    choice: Choice | None = None
     try:
+        path = path or choices_file()
+        if (known := _read(path, key, allowed)) is not None:
+            return known
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_suffix(".lock"), "w") as guard:
             fcntl.flock(guard, fcntl.LOCK_EX)
-            known = _read(path)
-            if key in known:
-                return known[key]  # type: ignore[return-value]
-            known[key] = choice
-            temporary = path.with_suffix(f".{os.getpid()}.tmp")
-            temporary.write_text(json.dumps(known, indent=1, sort_keys=True))
-            temporary.replace(path)
+            if (known := _read(path, key, allowed)) is not None:
+                return known
+            choice = decide()
+            _write(path, key, choice)
+            log.info("%s: %s, kept in %s", what, choice, path)
+            return choice
     except OSError as exc:
+        choice = decide() if choice is None else choice
         log.warning("%s: %s, timed by this process and not kept for the next (%s)", what, choice, exc)
-    return choice
+        return choice
 
 
-def _read(path: Path) -> dict[str, str]:
-    """The choices in `path`; none where it is missing or unreadable (it is written again)."""
+def _all(path: Path) -> dict[str, object]:
+    """Every choice in `path`; none where it is missing or unreadable (it is written again)."""
     with contextlib.suppress(OSError, ValueError):
         known = json.loads(path.read_text())
         if isinstance(known, dict):
-            return {str(k): str(v) for k, v in known.items()}
+            return known
     return {}
+
+
+def _read(path: Path, key: str, allowed: Collection[Choice]) -> Choice | None:
+    value = _all(path).get(key)
+    return next((choice for choice in allowed if choice == value), None)
+
+
+def _write(path: Path, key: str, choice: str) -> None:
+    known = _all(path)
+    known[key] = choice
+    temporary = path.with_suffix(".tmp")  # only the lock's holder writes it
+    temporary.write_text(json.dumps(known, indent=1, sort_keys=True))
+    temporary.replace(path)
