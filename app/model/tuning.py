@@ -54,15 +54,16 @@ def remembered(
     choice: Choice | None = None
     try:
         path = path or choices_file()
-        if (known := _read(path, key, allowed)) is not None:
+        if (known := _allowed(_all(path).get(key), allowed)) is not None:
             return known
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_suffix(".lock"), "w") as guard:
             fcntl.flock(guard, fcntl.LOCK_EX)
-            if (known := _read(path, key, allowed)) is not None:
+            kept = _all(path)  # read again under the lock: another process may have decided meanwhile
+            if (known := _allowed(kept.get(key), allowed)) is not None:
                 return known
             choice = decide()
-            _write(path, key, choice)
+            _write(path, kept | {key: choice})
             log.info("%s: %s, kept in %s", what, choice, path)
             return choice
     except OSError as exc:
@@ -80,14 +81,12 @@ def _all(path: Path) -> dict[str, object]:
     return {}
 
 
-def _read(path: Path, key: str, allowed: Collection[Choice]) -> Choice | None:
-    value = _all(path).get(key)
+def _allowed(value: object, allowed: Collection[Choice]) -> Choice | None:
+    """`value` as one of the `allowed` choices; None where it is none of them (or missing)."""
     return next((choice for choice in allowed if choice == value), None)
 
 
-def _write(path: Path, key: str, choice: str) -> None:
-    known = _all(path)
-    known[key] = choice
+def _write(path: Path, choices: dict[str, object]) -> None:
     temporary = path.with_suffix(".tmp")  # only the lock's holder writes it
-    temporary.write_text(json.dumps(known, indent=1, sort_keys=True))
+    temporary.write_text(json.dumps(choices, indent=1, sort_keys=True))
     temporary.replace(path)

@@ -6,8 +6,9 @@ speculative decoding gave that dtype's own main-only tokens (alone and in batche
 on each set: the English clips, each other language, and English speech under noise and over a telephone line
 (`app.tools.realaudio.build_conditions`). Then the ratios of each dtype against the first.
 
-A set of ten clips holds ~300 words, so one word is 0.3 points, and a numerically neutral change flips words: the
-fp32 model itself, given each French clip with white noise at -80 dBFS added, wrote 1.6-2.3 points more errors.
+A set of ten clips holds ~300 words, so one word is 0.3 points (0.8 in a ~130-word condition), and a numerically
+neutral change flips words: the fp32 model itself, given each French clip with white noise at -80 dBFS added, wrote
+1.6-2.3 points more errors.
 `dithers=N` measures that spread: each clip (and condition) is also transcribed main-only N times more, each time
 with its own seeded dither (`DITHER_RMS`), the same dithered audio for every dtype, and each set reports its WER's
 mean, least and most over the N + 1 runs, the ratios the mean's difference (a paired comparison).
@@ -40,9 +41,8 @@ from app.tools.realaudio import build_conditions
 
 SPOKEN_CONDITIONS = ("noise 20 dB SNR", "noise 10 dB SNR", "noise 5 dB SNR", "telephone (G.711)")
 BATCH = 4
-DITHER_RMS = (
-    1e-4  # -80 dBFS: inaudible, far below the recordings' own noise; it moves only the arithmetic's close calls
-)
+# -80 dBFS: inaudible, far below the recordings' own noise; it moves only the arithmetic's close calls
+DITHER_RMS = 1e-4
 
 
 @dataclass
@@ -50,7 +50,7 @@ class Runs:
     """One dtype's answers: per set, (reference, plain, speculative, language) for each clip."""
 
     by_set: dict[str, list[tuple[str, Transcription, Transcription, str]]] = field(default_factory=dict)
-    dithered: dict[str, list[list[tuple[str, str, str]]]] = field(default_factory=dict)  # set -> run -> rows
+    dithered: dict[str, dict[int, list[tuple[str, str, str]]]] = field(default_factory=dict)  # set -> run -> rows
     batches_identical: list[bool] = field(default_factory=list)
     encoder_s: list[float] = field(default_factory=list)
 
@@ -58,10 +58,7 @@ class Runs:
         self.by_set.setdefault(name, []).append((reference, plain, spec, language))
 
     def add_dithered(self, name: str, run: int, reference: str, text: str, language: str) -> None:
-        runs = self.dithered.setdefault(name, [])
-        while len(runs) <= run:
-            runs.append([])
-        runs[run].append((reference, text, language))
+        self.dithered.setdefault(name, {}).setdefault(run, []).append((reference, text, language))
 
 
 def dithered(audio: np.ndarray, key: str, run: int) -> np.ndarray:
@@ -92,7 +89,7 @@ def _summary(runs: Runs, set_name: str | None = None) -> dict[str, Any]:
     spec = [s.metrics for _, _, s, _ in rows]
     tokens, passes = sum(m.tokens for m in spec), sum(m.main_passes for m in spec)
     wer = error_rate([(ref, s.text, lang) for ref, _, s, lang in rows])
-    wers = [wer] + ([] if set_name is None else [error_rate(run) for run in runs.dithered.get(set_name, [])])
+    wers = [wer] + ([] if set_name is None else [error_rate(run) for run in runs.dithered.get(set_name, {}).values()])
     spread = {"wer_mean": statistics.mean(wers), "wer_min": min(wers), "wer_max": max(wers), "runs": len(wers)}
     return {
         "clips": len(rows),
@@ -188,8 +185,8 @@ def run_precision_bench(
             for dtype, engine in tqdm(engines.items(), desc=condition.name, unit="dtype"):
                 plain, spec = _both(engine, [condition.audio], [DecodingOptions(language="en")])
                 runs[dtype].add(condition.name, condition.reference, plain[0], spec[0], "en")
-            name, reference = condition.name, condition.reference
-            _dithered(engines, runs, name, name, condition.audio, reference, "en", dithers)
+            name = condition.name
+            _dithered(engines, runs, name, name, condition.audio, condition.reference, "en", dithers)
     reports = {dtype: _report(r) for dtype, r in runs.items()}
     first_dtype = dtypes[0]
     return {
