@@ -21,7 +21,7 @@ from app.speakers import clustering, embedders
 from app.speakers import windows as plan
 from app.speakers.ge2e import PARTIAL_FRAMES, Ge2eEmbedder, Ge2eEncoder, mel_power
 from app.speakers.turns import SpeakerTimeline, SpeechRegions, Turn, diarize, turns
-from app.speakers.voiced import EDGE_DB, MAX_TRIM_S, voiced
+from app.speakers.voiced import EDGE_DB, MAX_GROW_S, MAX_TRIM_S, voiced
 from app.tools import conversations
 from app.tools.manifest import read_manifest
 
@@ -186,29 +186,43 @@ def test_segments_split_at_the_vads_pauses_and_keep_to_its_speech() -> None:
     ]
 
 
-def test_a_regions_quiet_ends_are_left_out_and_its_pauses_kept() -> None:
+def test_a_regions_ends_move_to_the_voice_and_long_pauses_cut_it() -> None:
     """A tone at -20 dBFS from 0.5 to 1.5 s with a hiss 40 dB below around it, and a pause of hiss inside it: the
-    region (0.4, 1.9) s is cut to the tone, its trailing 0.4 s of hiss cut by `MAX_TRIM_S` only; the pause inside
-    stays; a hiss less than `EDGE_DB` below stays; a region too short to judge is kept whole."""
+    region (0.4, 1.9) s is cut to the tone, its trailing 0.4 s of hiss cut by `MAX_TRIM_S` only; a pause of 0.2 s
+    inside stays, one of 0.4 s cuts the region in two; a region that starts or ends inside the tone takes in the
+    rest of it, up to `MAX_GROW_S`, a neighbour or a seam; a hiss less than `EDGE_DB` below is voice; a region too
+    short to judge is kept whole."""
     rng = np.random.default_rng(0)
     t = np.arange(2 * SR) / SR
     tone = 0.1 * np.sqrt(2) * np.sin(2 * np.pi * 220 * t)
     hiss = 0.001 * rng.standard_normal(t.size)
-    audio = np.where((t >= 0.5) & (t < 1.5) & ~((t >= 0.9) & (t < 1.1)), tone, hiss).astype(np.float32)
+
+    def with_pause(a: float, b: float) -> np.ndarray:
+        return np.where((t >= 0.5) & (t < 1.5) & ~((t >= a) & (t < b)), tone, hiss).astype(np.float32)
+
+    audio = with_pause(0.9, 1.1)
     region = (int(0.4 * SR), int(1.9 * SR))
     start, end = voiced(audio, [region])[0]
     assert start == int(0.5 * SR)  # 0.1 s of hiss before the tone
     assert end == region[1] - int(MAX_TRIM_S * SR)  # 0.4 s after it: the most that goes
-    assert voiced(audio, [(int(0.5 * SR), int(1.5 * SR))]) == [(int(0.5 * SR), int(1.5 * SR))]  # all tone at the ends
+    assert voiced(with_pause(0.8, 1.2), [region]) == [(int(0.5 * SR), int(0.8 * SR)), (int(1.2 * SR), end)]
+    inside = (int(0.7 * SR), int(1.4 * SR))
+    assert voiced(audio, [inside]) == [(int(0.5 * SR), int(1.5 * SR))]  # grown to the tone's ends
+    grown_back = int((1.3 - MAX_GROW_S) * SR)  # the tone goes on further back: the most that comes
+    assert voiced(with_pause(0, 0), [(int(1.3 * SR), int(1.4 * SR))]) == [(grown_back, int(1.5 * SR))]
+    assert voiced(audio, [inside], seams=[int(0.6 * SR), int(1.45 * SR)]) == [(int(0.6 * SR), int(1.45 * SR))]
+    neighbours = [(int(0.5 * SR), int(0.6 * SR)), inside]
+    assert voiced(audio, neighbours) == [(int(0.5 * SR), int(0.7 * SR)), (int(0.7 * SR), int(1.5 * SR))]  # they meet
     loud_hiss = np.where(audio == hiss.astype(np.float32), audio * 10 ** ((40 - EDGE_DB + 5) / 20), audio)
-    assert voiced(loud_hiss, [region]) == [region]  # 20 dB below: voice, not a pause
+    assert voiced(loud_hiss, [region]) == [(0, 2 * SR)]  # 20 dB below: voice, not a pause, and taken in
     assert voiced(audio, [(int(1.55 * SR), int(1.6 * SR))]) == [(int(1.55 * SR), int(1.6 * SR))]
 
 
-def test_trimmed_regions_keep_the_speech_and_lose_most_of_the_rest(benchdata: Path) -> None:
+def test_regions_moved_to_the_voice_keep_the_speech_and_lose_most_of_the_rest(benchdata: Path) -> None:
     """Silero's regions (as a diarized upload's pieces keep to) over two readers and JFK's crowd, against where
-    their speech is (`conversations`' turns): trimmed, they run over a quarter less time that is not speech (what
-    is left is mostly pauses inside them: 8.4 -> 6.1% of the speech's time here) and lose under half a point of it."""
+    their speech is (`conversations`' turns): moved to the voice (`voiced`), they run over far less time that is
+    not speech (mostly the pauses between the readers' sentences: 10.3 -> 2.7% of the speech's time here) and
+    miss no more of it (0.5 -> 0.1%)."""
     pool = conversations.voices(read_manifest(benchdata / "manifest.jsonl"))  # its own: a voice's turns go on
     talk = conversations.build("test", ("lj", "jfk", "austen"), pool, 40.0, overlap=False, seed=3)
     regions = SileroVad().load().regions(talk.audio, SPEECH_VAD)
@@ -223,12 +237,11 @@ def test_trimmed_regions_keep_the_speech_and_lose_most_of_the_rest(benchdata: Pa
         return out
 
     before, after = covered(regions), covered(voiced(talk.audio, regions))
-    assert not (after & ~before).any()  # trimmed, never grown
     false_alarm = [(c & ~speech).sum() / speech.sum() for c in (before, after)]
     missed = [(speech & ~c).sum() / speech.sum() for c in (before, after)]
     print(f"false alarm {false_alarm[0]:.1%} -> {false_alarm[1]:.1%}, missed {missed[0]:.1%} -> {missed[1]:.1%}")
-    assert false_alarm[1] < 0.75 * false_alarm[0]
-    assert missed[1] - missed[0] < 0.005
+    assert false_alarm[1] < 0.4 * false_alarm[0]
+    assert missed[1] <= missed[0]
 
 
 def test_an_onnx_embedder_file_the_operator_names(tmp_path: Path, benchdata: Path) -> None:

@@ -15,7 +15,7 @@ from app.model.tokenizer import WhisperTokenizer
 from app.model.whisper import WhisperModel
 
 MEDIAN_FILTER_WIDTH = 7
-SOFTMAX_ROWS = 16  # the word probabilities' softmax: rows at a time
+SOFTMAX_ROWS = 16  # the word probabilities' logits and softmax: rows at a time
 NO_SPACE_LANGUAGES = {"zh", "ja", "th", "lo", "my", "yue"}
 PREPEND_PUNCTUATION = "\"'“¿([{-"
 APPEND_PUNCTUATION = "\"'.。,，!！?？:：”)]}、"
@@ -55,11 +55,16 @@ def dtw(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _median_filter(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[H, S, T] -> the same, each row's median over `width` frames (reflected at its ends); one head at a time,
+    for the median of all at once materialises [H, S, T, width] floats (~40 MB for a 140-token window)."""
     pad = width // 2
     if x.shape[-1] <= pad:
         return x
-    padded = torch.nn.functional.pad(x, (pad, pad), mode="reflect")
-    return padded.unfold(-1, width, 1).median(-1).values
+    out = torch.empty_like(x)
+    for h in range(x.shape[0]):
+        padded = torch.nn.functional.pad(x[h : h + 1], (pad, pad), mode="reflect")[0]
+        out[h] = padded.unfold(-1, width, 1).median(-1).values
+    return out
 
 
 def split_words(tok: WhisperTokenizer, tokens: list[int], language: str | None) -> list[list[int]]:
@@ -118,18 +123,19 @@ def align_words(
     captured = AttentionCapture.of(heads)
     feed = [*sot_sequence, tok.no_timestamps, *text_tokens, tok.eot]
     hidden, _ = state.feed([feed], captured)
-    # Probabilities among text tokens only (OpenAI's: logits up to end-of-text), a few rows' softmax at a time (all
-    # rows' at once held a second [tokens, vocabulary] copy: ~29 MB for 140 tokens).
-    logits = main.decoder.logits(hidden[0, len(sot_sequence) : len(sot_sequence) + len(text_tokens)])[:, : tok.eot]
+    # Probabilities among text tokens only (OpenAI's: logits up to end-of-text), a few rows' logits and softmax at a
+    # time: all rows' at once held [tokens, vocabulary] floats twice over (~58 MB for 140 tokens).
+    rows = hidden[0, len(sot_sequence) : len(sot_sequence) + len(text_tokens)]
     probs: list[float] = []
     for a in range(0, len(text_tokens), SOFTMAX_ROWS):
-        rows = logits[a : a + SOFTMAX_ROWS].float().softmax(-1)
-        probs += rows[torch.arange(len(rows)), torch.tensor(text_tokens[a : a + SOFTMAX_ROWS])].tolist()
-    del logits
+        p = main.decoder.logits(rows[a : a + SOFTMAX_ROWS])[:, : tok.eot].softmax(-1)
+        probs += p[torch.arange(len(p)), torch.tensor(text_tokens[a : a + SOFTMAX_ROWS])].tolist()
     scores = torch.stack([captured.head(layer, head)[0] for layer, head in heads])  # [heads, S, T]
+    del captured, hidden  # each [heads, S, T] step below is ~1 MB per 20 tokens: keep one or two alive at a time
     weights = scores[:, :, : max(1, num_frames // 2)].float().softmax(-1)  # a window may hold one mel frame
+    del scores
     std, mean = torch.std_mean(weights, dim=-2, keepdim=True, unbiased=False)
-    weights = _median_filter((weights - mean) / std.clamp_min(1e-10), MEDIAN_FILTER_WIDTH)
+    weights = _median_filter(weights.sub_(mean).div_(std.clamp_min(1e-10)), MEDIAN_FILTER_WIDTH)
     # Rows: the no-timestamps position and each text token (each predicting the next token).
     matrix = weights.mean(0)[len(sot_sequence) : -1]
     text_idx, time_idx = dtw(-matrix.double().numpy())

@@ -97,15 +97,17 @@ def _voiced(audio: np.ndarray) -> np.ndarray:
 
 
 def _stretches(voiced: np.ndarray, bridge_s: float = PAUSE_S) -> list[tuple[float, float]]:
-    """The voiced stretches of a mask (s), pauses shorter than `bridge_s` bridged."""
+    """The voiced stretches of a mask (s), pauses shorter than `bridge_s` bridged (counted in samples: a voice's
+    clips are joined by exactly `PAUSE_S` of silence, which seconds' rounding would call shorter at some offsets)."""
     edges = np.flatnonzero(np.diff(np.concatenate([[False], voiced, [False]]).astype(np.int8)))
-    stretches: list[tuple[float, float]] = []
+    bridge = round(bridge_s * SR)
+    stretches: list[tuple[int, int]] = []
     for start, end in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
-        if stretches and start / SR - stretches[-1][1] < bridge_s:
-            stretches[-1] = (stretches[-1][0], end / SR)
+        if stretches and start - stretches[-1][1] < bridge:
+            stretches[-1] = (stretches[-1][0], end)
         else:
-            stretches.append((start / SR, end / SR))
-    return stretches
+            stretches.append((start, end))
+    return [(start / SR, end / SR) for start, end in stretches]
 
 
 class Voice:
