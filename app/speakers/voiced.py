@@ -47,10 +47,11 @@ def frame_levels(samples: np.ndarray) -> np.ndarray:
     return 10 * np.log10(np.square(frame_rms(samples, FRAME)) + 1e-12)  # type: ignore[no-any-return]
 
 
-def _quiet_run(quiet: np.ndarray, most: int) -> int:
-    """How many of `quiet`'s leading frames are quiet, at most `most`."""
-    loud = np.flatnonzero(~quiet[:most])
-    return int(loud[0]) if loud.size else min(most, quiet.size)
+def _leading(mask: np.ndarray, most: int) -> int:
+    """How many of `mask`'s leading frames are set (quiet ones at a trimmed end, voiced ones where an end grows),
+    at most `most`."""
+    unset = np.flatnonzero(~mask[:most])
+    return int(unset[0]) if unset.size else min(most, mask.size)
 
 
 def _pauses(quiet: np.ndarray) -> list[tuple[int, int]]:
@@ -66,7 +67,7 @@ def _grown(samples: np.ndarray, at: int, limit: int, quiet_below: float) -> int:
     span = min(abs(limit - at), MAX_GROW_FRAMES * FRAME)
     frames = samples[at - span : at][::-1] if limit < at else samples[at : at + span]
     levels = frame_levels(np.ascontiguousarray(frames))
-    return _quiet_run(levels >= quiet_below, levels.size) * FRAME
+    return _leading(levels >= quiet_below, levels.size) * FRAME
 
 
 def voiced(samples: np.ndarray, regions: Sequence[tuple[int, int]], seams: Sequence[int] = ()) -> list[tuple[int, int]]:
@@ -85,8 +86,8 @@ def voiced(samples: np.ndarray, regions: Sequence[tuple[int, int]], seams: Seque
             continue
         loud = np.percentile(levels, LOUD_PERCENTILE)
         quiet = levels < loud - EDGE_DB
-        lead = _quiet_run(quiet, MAX_TRIM_FRAMES)
-        trail = _quiet_run(quiet[::-1], MAX_TRIM_FRAMES)  # the loudest frame is never quiet: lead + trail < frames
+        lead = _leading(quiet, MAX_TRIM_FRAMES)
+        trail = _leading(quiet[::-1], MAX_TRIM_FRAMES)  # the loudest frame is never quiet: lead + trail < frames
         last = start + levels.size * FRAME  # the end of the last whole frame: a partial one after it goes with it
         at = start + lead * FRAME
         if lead == 0:

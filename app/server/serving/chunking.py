@@ -10,6 +10,7 @@ kept within the upload's end. Non-speech is never decoded, so it produces no tex
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -31,6 +32,11 @@ class Chunk:
     @property
     def samples(self) -> int:
         return sum(end - start for start, end in self.pieces)
+
+    @property
+    def seams(self) -> list[int]:
+        """Where its pieces meet, as samples of its audio."""
+        return list(itertools.accumulate(end - start for start, end in self.pieces[:-1]))
 
     def audio(self, audio: np.ndarray) -> np.ndarray:
         return np.concatenate([audio[start:end] for start, end in self.pieces])

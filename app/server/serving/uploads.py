@@ -127,8 +127,7 @@ class ChunkScan:
         fine = [regions_in(c, self.speech) for c in chunks]  # each chunk's finer regions, as samples of its audio
         if self._voiced:  # trimmed on the samples as read, before any levelling
             for (c, samples), inside in zip(out, fine, strict=True):
-                seams = np.cumsum([end - start for start, end in c.pieces])[:-1].tolist()
-                self.voiced_speech += _on_upload(c, voiced(samples, inside, seams))
+                self.voiced_speech += _on_upload(c, voiced(samples, inside, c.seams))
         if self._loudness is not None:
             out = [(c, leveled(samples, inside)) for (c, samples), inside in zip(out, fine, strict=True)]
         return out
