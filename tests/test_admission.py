@@ -4,12 +4,21 @@ time each request has used, and the budget of audio in flight, with its line and
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
 import pytest
 
-from app.server.serving.admission import QUANTUM_S, Account, AudioBudget, FairShare, OverBudget
+from app.server.serving.admission import (
+    BACKGROUND_NICE,
+    PROMPT_S,
+    QUANTUM_S,
+    Account,
+    AudioBudget,
+    FairShare,
+    OverBudget,
+)
 
 
 def _work(seconds: float) -> None:
@@ -19,9 +28,10 @@ def _work(seconds: float) -> None:
         pass
 
 
-def test_a_fresh_request_s_step_goes_before_long_ones_next_steps() -> None:
-    """One thread, two long uploads taking turns, 20-ms steps: a short upload that arrives mid-way runs its step
-    as soon as the running step ends, before the step of the long upload waiting in line; steps never overlap."""
+def test_a_fresher_request_s_step_goes_before_long_ones_next_steps() -> None:
+    """One thread of a tier (all three requests past `PROMPT_S`), two long uploads taking turns, 20-ms steps: an
+    upload that arrives mid-way, having used less, runs its step as soon as the running step ends, before the step
+    of the long upload waiting in line; steps never overlap."""
 
     async def main() -> tuple[list[str], int]:
         share, order = FairShare(1), []
@@ -34,7 +44,7 @@ def test_a_fresh_request_s_step_goes_before_long_ones_next_steps() -> None:
             running.release()
 
         async def upload(name: str, steps: int) -> None:
-            account = Account()
+            account = Account(used=PROMPT_S)
             for _ in range(steps):
                 await share.run(account, lambda: step(name))
 
@@ -51,6 +61,36 @@ def test_a_fresh_request_s_step_goes_before_long_ones_next_steps() -> None:
     assert order.index("short") <= arrived + 1, order  # at most the step running when it came goes first
     assert order.count("a") == order.count("b") == 8
     assert "a" in order[:4] and "b" in order[:4]  # the two long ones take turns
+
+
+def _nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="thread priorities")
+def test_a_request_s_first_steps_run_at_once_at_the_process_s_priority() -> None:
+    """A long upload's 0.5-s step holds the thread of the tier below (`BACKGROUND_NICE`): a fresh request's first step
+    runs at once, on a thread at the process's priority; once it has used `PROMPT_S`, its next step runs below it,
+    after the long one's."""
+
+    async def main() -> tuple[int, float, int, bool]:
+        share = FairShare(1)
+        long = Account(used=PROMPT_S)
+        busy = asyncio.create_task(share.run(long, lambda: time.sleep(0.5)))
+        await asyncio.sleep(0.05)
+        fresh = share.account()
+        started = time.perf_counter()
+        first = await share.run(fresh, _nice)
+        waited = time.perf_counter() - started
+        await share.run(fresh, lambda: _work(PROMPT_S))
+        later = await share.run(fresh, _nice)
+        after_long = busy.done()
+        share.close()
+        return first, waited, later, after_long
+
+    first, waited, later, after_long = asyncio.run(main())
+    assert first == _nice() and waited < 0.3, (first, waited)
+    assert later == min(_nice() + BACKGROUND_NICE, 19) and after_long
 
 
 def test_past_their_first_second_long_uploads_run_one_after_another() -> None:

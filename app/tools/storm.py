@@ -66,19 +66,21 @@ class Answer(NamedTuple):
 def where_it_waited(answer: Answer) -> dict[str, float]:
     """An answer's time split, in s: before the serving layer (HTTP, the multipart form), in the serving layer
     before and after its job (admission, the audio budget, reading the upload, the reply), in the worker's
-    queue, and the worker's encoder and decoder (those of the batch that ran it)."""
+    queue, and the worker's encoder and decoder (those of the batch that ran it; past the queue, the wait for the
+    next encoder layer or decoder pass of a batch it runs inside counts as serving)."""
     m = answer.metrics
     total, queue = m.get("total_ms", 0.0) / 1000, m.get("queue_ms", 0.0) / 1000
-    worker = (m.get("encode_ms", 0.0) + m.get("decode_ms", 0.0)) / 1000
+    encoder, decoder = m.get("encode_ms", 0.0) / 1000, m.get("decode_ms", 0.0) / 1000
     return {
         "http": answer.seconds - total,
-        "serving": max(total - queue - worker, 0.0),
+        "serving": max(total - queue - encoder - decoder, 0.0),
         "queue": queue,
-        "worker": worker,
+        "encoder": encoder,
+        "decoder": decoder,
     }
 
 
-SPLIT_PARTS = ("http", "serving", "queue", "worker")
+SPLIT_PARTS = ("http", "serving", "queue", "encoder", "decoder")
 
 
 def slow_parts(splits: list[dict[str, float]]) -> dict[str, Any]:

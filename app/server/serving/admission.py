@@ -1,24 +1,28 @@
 """What an upload may cost the web process: a share of its threads, and a place in the budget of audio in flight.
 
 `FairShare` runs the blocking work of uploads (decoding, levelling, the VAD), one bounded step at a time, on
-threads of their own (the event loop's default threads stay free). A request's first `QUANTUM_S` of steps runs
-on a thread kept for them, so a short upload is read at once, whatever long ones do. Past it, a request needs
-one of `threads` long places, given in the order the requests came, and its steps run on `threads` threads,
-the step of the request that has used the least time first: long uploads then finish one after another,
-holding their decoders' buffers one at a time, rather than all advancing together and all finishing last.
+threads of their own (the event loop's default threads stay free), in three tiers by the CPU time a request's
+steps have used so far, as a multilevel feedback queue does:
+1. its first `PROMPT_S`: on a thread at the process's priority, so that a short upload is read at once, whatever
+   the worker and long uploads do (most of them need a single step of a few ms);
+2. up to `QUANTUM_S`: on a thread at a lower OS priority (`BACKGROUND_NICE`);
+3. the rest: a request needs one of `threads` long places, given in the order the requests came, and its steps
+   run on `threads` threads at the lower priority, the step of the request that has used the least time first:
+   long uploads then finish one after another, holding their decoders' buffers one at a time, rather than all
+   advancing together and all finishing last.
+In each tier, the waiting step of the request that has used the least time goes first.
 A request's time is the CPU time of its steps, not their wall time: a step slowed by the worker's threads (which
-come first) costs its request no more of its share, so a short upload is not pushed out of its first second,
-behind long ones, because the worker was busy while it was read.
-All these threads run at a lower OS priority (`BACKGROUND_NICE`): the worker's threads take the cores first.
-(On a 2-core machine an upload thread at equal priority took a core from the worker's two OpenMP threads, each
-of whose parallel regions then waited for a time slice; and a short upload waiting for a long one's step, slowed
-by its low priority, waited up to 14 s. The first thread too: 20 long uploads arriving at once spent ~20 s of
-it at equal priority, and short uploads' batches meanwhile took 4-6x their time in the worker, 7 answers over
-3x their idle latency in the storm's first 25 s, against 1 at +10; a 60-s Opus upload's own reading, with the
-worker busy, then takes 0.8-1.9 s instead of 0.5-0.6, its answer about as soon: `python -m app storm`. At +10
-they still took 0.3-1.0 of a core while the worker ran, and two CPU hogs at +10 slowed an idle server's short
-upload by 17%, at +19 not at all; the storm at +19: p90 / max 0.85 / 1.53 s against 1.05-1.09 / 1.67-3.12 s in
-three runs at +10, none over 3x its idle latency, all 20 long uploads answered, the last at 592 s.)
+come first) costs its request no more of its share, so a short upload is not pushed out of its first tiers, behind
+long ones, because the worker was busy while it was read.
+
+Why two priorities. Past their first step, uploads' threads run below the worker's: on a 2-core machine an upload
+thread at equal priority took a core from the worker's two OpenMP threads, each of whose parallel regions then
+waited for a time slice. 20 long uploads arriving at once spent ~20 s of their first second at equal priority,
+and short uploads' batches meanwhile took 4-6x their time in the worker (7 answers over 3x their idle latency in
+the storm's first 25 s, against 1 at nice +10, none at +19: `python -m app storm`). But a step at +19 waits for
+the worker: a short upload's reading, a few ms of CPU, took 0.2-0.9 s of the storm's answers while the worker ran,
+and a live final arriving meanwhile went to the worker before it. `PROMPT_S` at the process's priority costs the
+worker one short step per request.
 
 `AudioBudget` admits uploads by the seconds of audio they hold at once: a chunked upload holds a few chunks and
 blocks, whatever its length; a single-block upload holds all of it (decoded in the worker). A request that does
@@ -45,7 +49,8 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-QUANTUM_S = 1.0  # CPU time a request gets on the first thread, before it needs a long place
+PROMPT_S = 0.1  # CPU time a request's steps get at the process's priority (a short upload's reading: a few ms)
+QUANTUM_S = 1.0  # CPU time a request gets before it needs a long place
 BACKGROUND_NICE = 19  # the upload threads' niceness, added to the process's (Linux's most: 19)
 
 
@@ -73,7 +78,7 @@ class _Threads:
 
     def __init__(self, threads: int, name: str, nice: int) -> None:
         self._executor = ThreadPoolExecutor(
-            threads, thread_name_prefix=name, initializer=functools.partial(lower_priority, nice)
+            threads, thread_name_prefix=name, initializer=functools.partial(lower_priority, nice) if nice else None
         )
         self._free = threads
         self._line: list[tuple[float, int, asyncio.Future[None]]] = []
@@ -120,13 +125,14 @@ class _Threads:
 
 
 class FairShare:
-    """Threads for the uploads' blocking steps, all below the process's priority (`BACKGROUND_NICE`). A request's
-    first `QUANTUM_S` of steps run on a thread of their own (a short upload is read at once, whatever long ones
-    do); the rest on `threads` threads, given to the waiting step whose request has used the least time, and only
-    to requests holding one of `threads` long places."""
+    """Threads for the uploads' blocking steps. A request's first `PROMPT_S` of steps run on a thread of their own at
+    the process's priority (a short upload is read at once, whatever long ones do), its steps up to `QUANTUM_S` on
+    another below it (`BACKGROUND_NICE`); the rest on `threads` threads below it, given to the waiting step whose
+    request has used the least time, and only to requests holding one of `threads` long places."""
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
+        self._prompt = _Threads(1, "upload-prompt", 0)
         self._first = _Threads(1, "upload-first", BACKGROUND_NICE)
         self._rest = _Threads(threads, "upload", BACKGROUND_NICE)
         self._arrivals = itertools.count()
@@ -139,12 +145,12 @@ class FairShare:
 
     @property
     def waiting(self) -> int:
-        return self._first.waiting + self._rest.waiting
+        return self._prompt.waiting + self._first.waiting + self._rest.waiting
 
     async def run(self, account: Account, step: Callable[[], T]) -> T:
         """Run `step` on an upload thread when its turn comes. Cancelled while it runs, the step still finishes
         (a thread cannot be stopped) and keeps its thread until then."""
-        threads = self._first
+        threads = self._prompt if account.used < PROMPT_S else self._first
         if account.used >= QUANTUM_S:
             if account.order not in self._long:
                 await self._long_place(account)
@@ -187,6 +193,7 @@ class FairShare:
                 place.set_result(None)
 
     def close(self) -> None:
+        self._prompt.close()
         self._first.close()
         self._rest.close()
 
