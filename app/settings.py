@@ -149,7 +149,8 @@ class Settings(BaseSettings):
         ge=1,
         le=64,
         description="threads (at a lower OS priority than the worker's) that decode uploads past their first second"
-        " and run their VAD, a bounded step at a time; one more thread reads every upload's first second",
+        " and run their VAD, a bounded step at a time; one more thread reads every upload's first second, and one at"
+        " the process's priority its first 20 ms of CPU",
     )
     request_timeout_s: float = Field(600.0, gt=0, description="a request waiting longer gets 504")
     shutdown_timeout_s: float = Field(30.0, ge=0, description="time to finish in-flight work on shutdown")

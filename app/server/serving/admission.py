@@ -22,7 +22,8 @@ and short uploads' batches meanwhile took 4-6x their time in the worker (7 answe
 the storm's first 25 s, against 1 at nice +10, none at +19: `python -m app storm`). But a step at +19 waits for
 the worker: a short upload's reading, a few ms of CPU, took 0.2-0.9 s of the storm's answers while the worker ran,
 and a live final arriving meanwhile went to the worker before it. `PROMPT_S` at the process's priority costs the
-worker one short step per request.
+worker one short step per request (the storm's 20 long uploads arriving at once: at 0.1 s, 2 s of their reading at
+the process's priority, and the short answer sent with them 3.2 s, 3.3x its idle latency).
 
 `AudioBudget` admits uploads by the seconds of audio they hold at once: a chunked upload holds a few chunks and
 blocks, whatever its length; a single-block upload holds all of it (decoded in the worker). A request that does
@@ -49,7 +50,7 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-PROMPT_S = 0.1  # CPU time a request's steps get at the process's priority (a short upload's reading: a few ms)
+PROMPT_S = 0.02  # CPU time a request's steps get at the process's priority (a short upload's reading: a few ms)
 QUANTUM_S = 1.0  # CPU time a request gets before it needs a long place
 BACKGROUND_NICE = 19  # the upload threads' niceness, added to the process's (Linux's most: 19)
 
