@@ -192,7 +192,7 @@ def test_upload_threads_give_the_cores_to_the_worker(server: ServerProcess, sile
     assert r.status_code == 200  # read on the upload threads of all tiers: its VAD takes a few seconds of CPU
     main = _nice(Path(f"/proc/{web}/stat"))
     nices = {_nice(stat) for stat in Path(f"/proc/{web}/task").glob("*/stat")}
-    assert nices == {main, min(main + BACKGROUND_NICE, 19)}, nices  # the first tier's thread runs at `main`
+    assert nices == {main, min(main + BACKGROUND_NICE, 19)}, nices  # no thread at a third priority
     worker = int(httpx.get(f"{server.url}/health/ready").json()["worker_pid"])
     assert os.getsid(worker) == os.getsid(web) and os.getpgid(worker) != os.getpgid(web)
 
