@@ -270,3 +270,15 @@ def test_the_storm_splits_a_short_answer_by_where_it_went(server: ServerProcess,
     assert sum(split.values()) == pytest.approx(answer.seconds, abs=1e-6), (split, answer.seconds)
     summary = slow_parts([split, {**split, "queue": split["queue"] + 2.0}])
     assert summary["answers"] == 2 and summary["queue"]["max"] == pytest.approx(split["queue"] + 2.0, abs=0.01)
+
+
+def test_the_storm_tells_the_short_answers_that_waited_for_a_live_final() -> None:
+    """A short answer is counted beside a final when the final came while it was in flight (from its start to its
+    end, both included), and each group's median and largest latency are its own answers'."""
+    from app.tools.storm import beside_finals
+
+    answers = [(10.0, 1.0), (12.0, 2.5), (20.0, 0.9), (30.0, 1.2), (31.0, 0.8)]  # (when it came, latency)
+    split = beside_finals(answers, finals=[9.0, 11.0, 28.7, 31.0])
+    assert split["with_final"] == {"answers": 3, "median": 1.0, "max": 2.5}, split  # 9.0 (its start), 11.0, 31.0
+    assert split["without"] == {"answers": 2, "median": 1.05, "max": 1.2}, split  # 28.7 came before (28.8, 30.0]
+    assert beside_finals(answers, finals=[])["with_final"] == {"answers": 0, "median": None, "max": None}

@@ -83,6 +83,28 @@ def where_it_waited(answer: Answer) -> dict[str, float]:
 SPLIT_PARTS = ("http", "serving", "queue", "encoder", "decoder")
 
 
+def beside_finals(answers: list[tuple[float, float]], finals: list[float]) -> dict[str, Any]:
+    """Short answers, each (when it came, its latency), split by whether a live final came while it was in
+    flight (it then waited for that final in the worker, finals going first), each part's count, median and
+    largest latency (s)."""
+    ends = sorted(finals)
+
+    def with_final(end: float, latency: float) -> bool:
+        return any(end - latency <= t <= end for t in ends)
+
+    parts: dict[str, list[float]] = {"with_final": [], "without": []}
+    for end, latency in answers:
+        parts["with_final" if with_final(end, latency) else "without"].append(latency)
+    return {
+        name: {
+            "answers": len(v),
+            "median": round(statistics.median(v), 3) if v else None,
+            "max": round(max(v), 3) if v else None,
+        }
+        for name, v in parts.items()
+    }
+
+
 def slow_parts(splits: list[dict[str, float]]) -> dict[str, Any]:
     """How many answers, and each part's mean and largest, in s."""
     return {
@@ -238,6 +260,8 @@ async def storm(args: argparse.Namespace) -> dict[str, Any]:
         cpu["client"] = time.process_time() - cpu_before["client"]  # this command's own share of the same cores
         stop.set()
         await asyncio.gather(*side, return_exceptions=True)
+        # the same idle measure after the storm: how much the machine's own speed moved meanwhile
+        idle_after = statistics.median([(await run.upload(short, "short.wav")).seconds for _ in range(5)])
         for answer in answers:
             run.statuses[str(answer.status)] += 1
         finals = [t for t in run.live_finals if t >= started]
@@ -281,6 +305,7 @@ async def storm(args: argparse.Namespace) -> dict[str, Any]:
             "upload_bytes": {"silent": len(silent), "speech": len(speech)},
             "idle": {
                 "short_latency_s": round(idle_latency, 3),
+                "short_latency_after_s": round(idle_after, 3),
                 "web_mb": round(idle_web, 1),
                 "server_mb": round(idle_whole, 1),
             },
@@ -289,6 +314,7 @@ async def storm(args: argparse.Namespace) -> dict[str, Any]:
                 "silent": args.silent,
                 "speech": args.speech,
                 "seconds": round(storm_s, 1),
+                "started_unix": round(time.time() - (time.monotonic() - started), 2),  # for samplers outside
                 "answers": [{"status": a.status, "seconds": round(a.seconds, 1)} for a in answers],
                 "server_peak_mb": round(whole.peak, 1),
                 "web_peak_mb": round(web.peak, 1),
@@ -296,6 +322,7 @@ async def storm(args: argparse.Namespace) -> dict[str, Any]:
                 "short_latency_s": {
                     "median": round(statistics.median(latencies), 3) if latencies else None,
                     "max": round(slowest, 3),
+                    **beside_finals([(t - started, a.seconds) for t, a in during], [t - started for t in finals]),
                 },
                 "cpu_s": {name: round(v, 1) for name, v in cpu.items()},  # over the storm, of 2 x seconds on 2 cores
                 "short_answers": [  # `short_answers_columns`: where slow ones fell, and why
