@@ -322,7 +322,7 @@ async def storm(args: argparse.Namespace) -> dict[str, Any]:
                 "short_latency_s": {
                     "median": round(statistics.median(latencies), 3) if latencies else None,
                     "max": round(slowest, 3),
-                    **beside_finals([(t - started, a.seconds) for t, a in during], [t - started for t in finals]),
+                    **beside_finals([(t, a.seconds) for t, a in during], [t - started for t in finals]),
                 },
                 "cpu_s": {name: round(v, 1) for name, v in cpu.items()},  # over the storm, of 2 x seconds on 2 cores
                 "short_answers": [  # `short_answers_columns`: where slow ones fell, and why
