@@ -280,5 +280,5 @@ def test_the_storm_tells_the_short_answers_that_waited_for_a_live_final() -> Non
     answers = [(10.0, 1.0), (12.0, 2.5), (20.0, 0.9), (30.0, 1.2), (31.0, 0.8)]  # (when it came, latency)
     split = beside_finals(answers, finals=[9.0, 11.0, 28.7, 31.0])
     assert split["with_final"] == {"answers": 3, "median": 1.0, "max": 2.5}, split  # 9.0 (its start), 11.0, 31.0
-    assert split["without"] == {"answers": 2, "median": 1.05, "max": 1.2}, split  # 28.7 came before (28.8, 30.0]
+    assert split["without"] == {"answers": 2, "median": 1.05, "max": 1.2}, split  # 28.7 came before [28.8, 30.0]
     assert beside_finals(answers, finals=[])["with_final"] == {"answers": 0, "median": None, "max": None}

@@ -87,10 +87,9 @@ def beside_finals(answers: list[tuple[float, float]], finals: list[float]) -> di
     """Short answers, each (when it came, its latency), split by whether a live final came while it was in
     flight (it then waited for that final in the worker, finals going first), each part's count, median and
     largest latency (s)."""
-    ends = sorted(finals)
 
     def with_final(end: float, latency: float) -> bool:
-        return any(end - latency <= t <= end for t in ends)
+        return any(end - latency <= t <= end for t in finals)
 
     parts: dict[str, list[float]] = {"with_final": [], "without": []}
     for end, latency in answers:
