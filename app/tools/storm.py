@@ -151,6 +151,10 @@ class Storm:
         body = r.json()
         return Answer(r.status_code, seconds, body.get("text", ""), body.get("metrics", {}))
 
+    async def idle_latency(self, runs: int = 5) -> float:
+        """The median latency of `runs` short uploads sent one after another (s)."""
+        return statistics.median([(await self.upload(self.short, "short.wav")).seconds for _ in range(runs)])
+
     async def short_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             answer = await self.upload(self.short, "short.wav")
@@ -230,8 +234,7 @@ async def storm(args: argparse.Namespace) -> dict[str, Any]:
         worker = PeakSampler(pids[1:] if web_pid else pids)
         run = Storm(url, short)
         run.short_text = (await run.upload(short, "short.wav")).text
-        idle = [(await run.upload(short, "short.wav")).seconds for _ in range(5)]
-        idle_latency = statistics.median(idle)
+        idle_latency = await run.idle_latency()
         await asyncio.sleep(1.0)
         idle_web, idle_whole = web.now(), whole.now()
 
@@ -260,7 +263,7 @@ async def storm(args: argparse.Namespace) -> dict[str, Any]:
         stop.set()
         await asyncio.gather(*side, return_exceptions=True)
         # the same idle measure after the storm: how much the machine's own speed moved meanwhile
-        idle_after = statistics.median([(await run.upload(short, "short.wav")).seconds for _ in range(5)])
+        idle_after = await run.idle_latency()
         for answer in answers:
             run.statuses[str(answer.status)] += 1
         finals = [t for t in run.live_finals if t >= started]
